@@ -1,0 +1,84 @@
+// Fused MoE forward (DESIGN.md sections 1, 3b, 4, 5.2):
+//
+//   out[t] = rsf * sum over slots j whose expert e = topk_ids[t, j] is local:
+//            topk_weights[t, j] * alpha2[e] * W2[e] . requant( act( alpha1[e] * W13[e] . x[t] ) )
+//
+// Quant modes (weights are LOCAL experts only, E_l = num_local_experts; I = intermediate size,
+// W13 rows = 2I for gated activations, I for ReLU^2):
+//   kW4A8Int4  x bf16 [T,H] (quantized inside as e4m3(x / a1)) or e4m3 [T,H]; x_scale = a1: f32 [1]
+//              or [T] or none (dynamic amax/448 per tensor); w1 int4x2 [E_l, 2I, H/2], w1_scale bf16
+//              SGLang stored layout; w2 int4x2 [E_l, H, I/2], w2_scale likewise; fc2_input_scale = a2:
+//              f32 [1] or none (dynamic). Default gate/up layout: kGateUp (SGLang).
+//   kW4A4      x fp4x2 [T,H/2], x_scale e4m3 [T,H/16] (row-major); weights fp4x2 with e4m3 scales in
+//              the 128x4 swizzle ([E_l, rows_pad128, cols_pad4] bytes); w1_alpha, w2_alpha f32 [E_l];
+//              fc2_input_scale f32 [1] (encode scale of the intermediate), required; optional
+//              per_token_scale f32 [T].
+//   kW4A8Mx    x e4m3 [T,H], x_scale ue8m0 [T,H/32]; weights fp4x2 with ue8m0 swizzled scales.
+//   kW4A16     x bf16 [T,H]; weights NVFP4 (fp4x2 + e4m3 swizzled scales); bf16 intermediate.
+//   kW4A16Int4 x bf16 [T,H]; weights int4-g128 as kW4A8Int4; bf16 intermediate.
+// topk_ids int32 [T, k] (global expert ids), topk_weights f32 [T, k]; output bf16/f16/f32 [T, H],
+// written (never accumulated into).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <limits>
+#include <optional>
+#include <string>
+
+#include "qmoe/tensor.h"
+
+namespace qmoe {
+
+enum class QuantMode { kW4A4, kW4A8Mx, kW4A16, kW4A8Int4, kW4A16Int4 };
+enum class Activation { kSwiglu, kGegluTanh, kRelu2, kSitu };
+enum class GateUpLayout {
+  kGateUp,               // SGLang: rows [gate; up]
+  kUpGateInterleaved64,  // FlashInfer: [up; gate] interleaved in 64-row groups
+};
+
+const char* quant_mode_name(QuantMode m);  // "w4a4", "w4a8", "w4a16", "w4a8_int4", "w4a16_int4"
+bool quant_mode_from_name(const std::string& name, QuantMode* out);
+const char* activation_name(Activation a);  // "swiglu", "geglu_tanh", "relu2", "situ"
+
+struct FusedMoeParams {
+  QuantMode quant_mode = QuantMode::kW4A8Int4;
+  TensorRef x;
+  std::optional<TensorRef> x_scale;
+  TensorRef topk_ids, topk_weights;
+  TensorRef w1, w1_scale;
+  std::optional<TensorRef> w1_alpha;
+  std::optional<TensorRef> fc2_input_scale;
+  TensorRef w2, w2_scale;
+  std::optional<TensorRef> w2_alpha;
+  std::optional<TensorRef> per_token_scale;
+  TensorRef output;
+
+  int64_t num_experts = 0;        // global expert count
+  int64_t num_local_experts = 0;  // 0 means num_experts
+  int64_t local_expert_offset = 0;
+
+  Activation activation = Activation::kSwiglu;
+  float swiglu_alpha = 1.0f, swiglu_beta = 0.0f, swiglu_limit = std::numeric_limits<float>::max();
+  float situ_beta = 1.0f;                   // SiTU only
+  std::optional<float> situ_linear_beta;    // SiTU only
+  GateUpLayout gate_up_layout = GateUpLayout::kGateUp;
+
+  bool deterministic = false;  // false: fused (atomic) finalize; true: fixed-order fp32 sum
+  float routed_scaling_factor = 1.0f;
+  std::string tactic;          // empty: heuristic
+};
+
+// Throws qmoe::Error naming the first bad argument; no work is done.
+void validate_fused_moe(const FusedMoeParams& p);
+// Bytes of scratch the GPU path needs for this problem (0 on CPU).
+int64_t fused_moe_workspace_size(const FusedMoeParams& p);
+// Runs on the tensors' device. workspace: CUDA buffer of fused_moe_workspace_size bytes (ignored on CPU).
+void fused_moe(const FusedMoeParams& p, void* workspace = nullptr, int64_t workspace_bytes = 0,
+               cudaStream_t stream = nullptr);
+
+namespace reference {
+void fused_moe(const FusedMoeParams& p);
+}  // namespace reference
+
+}  // namespace qmoe

@@ -1,0 +1,73 @@
+"""Turn numpy arrays and torch tensors into qmoe._C.Arg (DLPack storage + logical dtype).
+
+Frameworks cannot always export fp8 / e8m0 / bf16 through DLPack (numpy cannot at all for the
+ml_dtypes types), so the storage goes across as a same-size integer view and the logical dtype
+name travels beside it. The C++ side checks the pair; nothing is reinterpreted silently.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _C
+
+try:  # torch is optional
+    import torch
+except ImportError:  # pragma: no cover - exercised on machines without torch
+    torch = None
+
+_NUMPY_NAMES = {
+    "float32": "float32", "float16": "float16", "int8": "int8", "uint8": "uint8",
+    "int32": "int32", "int64": "int64", "bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e8m0fnu": "float8_e8m0fnu",
+}
+_VIEW_BY_SIZE_NP = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def is_torch(t) -> bool:
+    return torch is not None and isinstance(t, torch.Tensor)
+
+
+def dtype_name(t) -> str:
+    """qmoe's logical dtype name of a numpy array or torch tensor."""
+    if is_torch(t):
+        name = str(t.dtype).replace("torch.", "")
+        return {"float4_e2m1fn_x2": "float4_e2m1fn_x2"}.get(name, name)
+    if isinstance(t, np.ndarray):
+        return t.dtype.name
+    raise TypeError(f"qmoe: expected a numpy array or a torch tensor, got {type(t).__name__}")
+
+
+def arg(t, name: str = "tensor"):
+    """Wrap t for the C++ side. Raises TypeError naming `name` for unsupported objects/dtypes."""
+    if t is None:
+        return None
+    if is_torch(t):
+        logical = dtype_name(t)
+        if logical in ("bfloat16", "float16", "float32", "int8", "uint8", "int32", "int64"):
+            storage = t if logical != "bfloat16" else t.view(torch.int16)
+        elif t.element_size() == 1:
+            storage = t.view(torch.uint8)
+        else:
+            raise TypeError(f"qmoe: argument '{name}': unsupported dtype {t.dtype}")
+        # DLPack needs a dense enough view; strides travel as they are and C++ checks them.
+        return _C.Arg(storage.detach(), logical)
+    if isinstance(t, np.ndarray):
+        logical = _NUMPY_NAMES.get(t.dtype.name)
+        if logical is None:
+            raise TypeError(f"qmoe: argument '{name}': expected a supported dtype, got dtype {t.dtype.name}")
+        storage = t if t.dtype.kind in "iuf" and t.dtype.name != "bfloat16" else t.view(_VIEW_BY_SIZE_NP[t.itemsize])
+        return _C.Arg(storage, logical)
+    raise TypeError(f"qmoe: argument '{name}': expected a numpy array or a torch tensor, got {type(t).__name__}")
+
+
+def device_of(t) -> str:
+    if is_torch(t):
+        return "cuda" if t.is_cuda else "cpu"
+    return "cpu"
+
+
+def current_stream(t) -> int:
+    """The caller framework's current stream (raw cudaStream_t) for t's device; 0 on CPU."""
+    if is_torch(t) and t.is_cuda:
+        return torch.cuda.current_stream(t.device).cuda_stream
+    return 0

@@ -1,0 +1,26 @@
+// Host-side launchers of the Hopper kernels, called by src/api/* after validation.
+// Every launcher takes validated TensorRefs on one CUDA device and a stream, allocates nothing,
+// never synchronizes, and throws qmoe::Error (kind kRuntime) on a CUDA launch error.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "qmoe/grouped_gemm.h"
+#include "qmoe/tactics.h"
+#include "qmoe/tensor.h"
+
+namespace qmoe::cuda {
+
+// True when this build contains the sm_90a kernels (QMOE_WITH_CUDA_KERNELS=ON).
+bool kernels_built();
+
+void moe_mm_data(const TensorRef& topk_ids, TensorRef expert_offsets, TensorRef problem_sizes1,
+                 TensorRef problem_sizes2, TensorRef input_permutation, TensorRef output_permutation,
+                 int64_t num_experts, int64_t n, int64_t k, cudaStream_t stream);
+
+void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream);
+
+// Throws kRuntime qmoe::Error with the CUDA error string when err != cudaSuccess.
+void check_cuda(cudaError_t err, const char* what);
+
+}  // namespace qmoe::cuda

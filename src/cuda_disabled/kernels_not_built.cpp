@@ -1,0 +1,22 @@
+// Compiled instead of src/cuda/ when QMOE_WITH_CUDA_KERNELS=OFF (fast CPU-only builds):
+// every GPU entry raises a clear error instead of failing to link.
+#include "cuda/launch.h"
+
+namespace qmoe::cuda {
+
+namespace {
+[[noreturn]] void not_built(const char* op) {
+  throw Error(op, "a qmoe build with CUDA kernels (QMOE_WITH_CUDA_KERNELS=ON)",
+              "a CPU-only build; pass CPU tensors or rebuild", ErrorKind::kRuntime);
+}
+}  // namespace
+
+bool kernels_built() { return false; }
+void moe_mm_data(const TensorRef&, TensorRef, TensorRef, TensorRef, TensorRef, TensorRef, int64_t, int64_t, int64_t,
+                 cudaStream_t) {
+  not_built("get_cutlass_w4a8_moe_mm_data");
+}
+void w4a8_moe_mm(const W4A8MoeMmArgs&, const Tactic&, cudaStream_t) { not_built("cutlass_w4a8_moe_mm"); }
+void check_cuda(cudaError_t err, const char* what) {}
+
+}  // namespace qmoe::cuda
