@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CUTLASS_DIR=${CUTLASS_DIR:-$PWD/.dev/cutlass}
 cmake -S . -B build/device -G Ninja -DQMOE_BUILD_PYTHON=ON -DQMOE_BUILD_TESTS=ON \
-  -DCUTLASS_DIR="$CUTLASS_DIR" -DPython_EXECUTABLE="$(command -v python3)" > build_device_configure.log
+  -DCUTLASS_DIR="$CUTLASS_DIR" -DPython_EXECUTABLE="$(command -v python3)" > /tmp/qmoe_configure.log
 cmake --build build/device -j"$(nproc)"
 rm -rf build/device/pkg && mkdir -p build/device/pkg
 cp -r python/qmoe build/device/pkg/

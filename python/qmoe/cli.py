@@ -1,0 +1,68 @@
+"""`qmoe` command line: `qmoe bench [gemm ...]`, `qmoe info`."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _cpu_demo(args) -> int:
+    """No GPU: run the CPU reference engine on a small real-model-shaped problem and say so."""
+    import numpy as np
+
+    from . import fused_moe, testing
+
+    model = args.model
+    shape = testing.MODEL_SHAPES[model]
+    experts, top_k, hidden, inter = shape["E"], shape["k"], shape["H"], shape["I"]
+    rng = np.random.default_rng(0)
+    print(f"qmoe bench: no CUDA GPU found -> running the CPU reference engine instead (not a benchmark).")
+    print(f"  {model}: E={experts} top_k={top_k} H={hidden} I={inter}, T={args.tokens}, quant_mode=w4a8_int4")
+    problem = testing.make_w4a8_int4_problem(rng, tokens=args.tokens, experts=experts, top_k=top_k,
+                                             hidden=hidden, inter=inter)
+    start = time.perf_counter()
+    out = fused_moe(problem["x"], problem["topk_ids"], problem["topk_weights"], problem["w1"], problem["w1_scale"],
+                    problem["w2"], problem["w2_scale"], quant_mode="w4a8_int4", num_experts=experts,
+                    x_scale=problem["a1"], fc2_input_scale=problem["a2"], deterministic=True)
+    seconds = time.perf_counter() - start
+    out32 = out.astype(np.float32)
+    print(f"  CPU reference: {seconds:.2f} s, output [{out.shape[0]}, {out.shape[1]}] bf16, "
+          f"rms {float(np.sqrt(np.mean(out32 ** 2))):.4g}, finite {bool(np.isfinite(out32).all())}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="qmoe", description="qmoe: quantized MoE kernels for Hopper")
+    sub = parser.add_subparsers(dest="command")
+    bench = sub.add_parser("bench", help="benchmark on the GPU (CPU reference demo without one)")
+    bench.add_argument("what", nargs="?", default="gemm", choices=["gemm"], help="what to benchmark")
+    bench.add_argument("--model", default="Qwen3-30B-A3B", help="model shape for the CPU demo")
+    bench.add_argument("--tokens", type=int, default=8, help="tokens for the CPU demo")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the GPU benchmark")
+    sub.add_parser("info", help="print build information")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        from . import _C
+
+        print(f"qmoe {_C.__version__}; sm_90a kernels built: {_C.kernels_built()}; GPU: {_gpu_available()}")
+        return 0
+    if args.command == "bench":
+        if _gpu_available():
+            from .bench import gemm
+
+            return gemm.main(args.rest)
+        return _cpu_demo(args)
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Drop-in replacements for other libraries' MoE ops (same names, signatures and layouts)."""

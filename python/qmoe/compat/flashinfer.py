@@ -1,0 +1,183 @@
+"""Drop-in for FlashInfer's CuTe-DSL fused MoE (`cute_dsl_fused_moe`, `CuteDslMoEWrapper`,
+`autotune`, `ActivationType`), running on qmoe's engine (Hopper kernels or the CPU reference).
+
+Conventions kept from FlashInfer: gated W1 is [up; gate] interleaved in 64-row groups; FP4 weight
+scales are in the 128x4 swizzle (the 6-D MMA view FlashInfer passes is accepted as is);
+activation scales are row-major; SiTU is Swiglu + situ_beta. qmoe adds quant_mode "w4a8_int4"
+(SGLang int4-g128 weights x FP8 activations; x_sf carries a1, fc2_input_scale carries a2; W1 is
+[gate; up] there, as in SGLang).
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import threading
+import warnings
+
+import numpy as np
+
+from .. import ops
+from .._tensors import is_torch
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+class ActivationType(enum.IntEnum):
+    """FlashInfer's tllm_enums.ActivationType values."""
+    Gelu = 0
+    Relu = 1
+    Silu = 2
+    Swiglu = 3
+    Geglu = 4
+    SwigluBias = 5
+    Relu2 = 6
+    SwigluStep = 7
+    GegluTanh = 8
+    Identity = 9
+    Situ = 10
+    InvalidType = 11
+
+
+_SUPPORTED_ACTIVATIONS = {ActivationType.Swiglu: "swiglu", ActivationType.GegluTanh: "geglu_tanh",
+                          ActivationType.Relu2: "relu2"}
+
+
+def _activation(activation_type, situ_beta, situ_linear_beta) -> str:
+    try:
+        act = ActivationType(int(activation_type))
+    except ValueError:
+        raise ValueError(f"qmoe: argument 'activation_type': expected an ActivationType, got {activation_type!r}")
+    if act not in _SUPPORTED_ACTIVATIONS:
+        raise ValueError("qmoe: argument 'activation_type': expected Swiglu, GegluTanh or Relu2 "
+                         f"(SiTU is Swiglu with situ_beta), got {act.name}")
+    if situ_linear_beta is not None and situ_beta is None:
+        raise ValueError("qmoe: argument 'situ_linear_beta': expected situ_beta to be set too, got situ_beta=None")
+    if situ_beta is not None:
+        if act != ActivationType.Swiglu:
+            raise ValueError(f"qmoe: argument 'situ_beta': expected activation_type Swiglu, got {act.name}")
+        return "situ"
+    return _SUPPORTED_ACTIVATIONS[act]
+
+
+def _quant_mode(quant_mode: str) -> str:
+    if quant_mode == "nvfp4":
+        warnings.warn("quant_mode='nvfp4' is deprecated; use 'w4a4'", DeprecationWarning, stacklevel=3)
+        return "w4a4"
+    if quant_mode not in ("w4a4", "w4a8", "w4a16", "w4a8_int4"):
+        raise ValueError(f"qmoe: argument 'quant_mode': expected 'w4a4', 'w4a8', 'w4a16' or 'w4a8_int4', "
+                         f"got {quant_mode!r}")
+    return quant_mode
+
+
+def _weight_sf(sf, name):
+    """FlashInfer's 6-D MMA view (32, 4, Mt, 4, Kt, E) -> qmoe's [E, Mt*128, Kt*4] swizzled bytes."""
+    if sf is None or len(sf.shape) != 6:
+        return sf
+    s32, s4a, mt, s4b, kt, experts = sf.shape
+    if (s32, s4a, s4b) != (32, 4, 4):
+        raise ValueError(f"qmoe: argument '{name}': expected a 6-D MMA scale view of shape (32, 4, Mt, 4, Kt, E), "
+                         f"got {tuple(sf.shape)}")
+    if is_torch(sf):
+        base = sf.permute(5, 2, 4, 0, 1, 3)
+        if not base.is_contiguous():
+            raise ValueError(f"qmoe: argument '{name}': expected the 6-D view of a contiguous swizzled buffer")
+        return base.reshape(experts, mt * 128, kt * 4)
+    base = np.ascontiguousarray(np.transpose(sf, (5, 2, 4, 0, 1, 3)))
+    return base.reshape(experts, mt * 128, kt * 4)
+
+
+def cute_dsl_fused_moe(x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
+                       fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, num_experts, top_k,
+                       num_local_experts=None, local_expert_offset=0, output_dtype="bfloat16",
+                       use_fused_finalize=True, moe_output=None, aux_stream=None, enable_pdl=True,
+                       activation_type=ActivationType.Swiglu, swiglu_alpha=1.0, swiglu_beta=0.0,
+                       swiglu_limit=FLT_MAX, situ_beta=None, situ_linear_beta=None, *, quant_mode="w4a4",
+                       per_token_scale=None, tactic=None):
+    """FlashInfer's seed signature. Returns the [num_tokens, hidden] output (moe_output if given)."""
+    mode = _quant_mode(quant_mode)
+    activation = _activation(activation_type, situ_beta, situ_linear_beta)
+    if len(getattr(token_selected_experts, "shape", ())) != 2 or token_selected_experts.shape[1] != top_k:
+        raise ValueError("qmoe: argument 'token_selected_experts': expected shape [num_tokens, top_k="
+                         f"{top_k}], got {tuple(getattr(token_selected_experts, 'shape', ()))}")
+    if mode == "w4a4" and x_sf is not None and len(x_sf.shape) == 3 and x_sf.shape[2] == 1:
+        x_sf = x_sf.reshape(x_sf.shape[0], x_sf.shape[1])
+    layout = "gate_up" if (mode == "w4a8_int4" or activation == "relu2") else "up_gate_interleaved64"
+    return ops.fused_moe(
+        x, token_selected_experts, token_final_scales, w1_weight, _weight_sf(w1_weight_sf, "w1_weight_sf"),
+        w2_weight, _weight_sf(w2_weight_sf, "w2_weight_sf"), quant_mode=mode, num_experts=num_experts,
+        x_scale=x_sf, w1_alpha=w1_alpha, w2_alpha=w2_alpha, fc2_input_scale=fc2_input_scale,
+        per_token_scale=per_token_scale, num_local_experts=num_local_experts,
+        local_expert_offset=local_expert_offset, activation=activation, swiglu_alpha=swiglu_alpha,
+        swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit,
+        situ_beta=1.0 if situ_beta is None else situ_beta, situ_linear_beta=situ_linear_beta,
+        gate_up_layout=layout, deterministic=not use_fused_finalize, output_dtype=output_dtype, out=moe_output,
+        tactic=None if tactic is None else str(tactic))
+
+
+class CuteDslMoEWrapper:
+    """FlashInfer's wrapper: holds the layer configuration; run() executes one forward."""
+
+    def __init__(self, num_experts, top_k, hidden_size, intermediate_size, use_cuda_graph=False,
+                 max_num_tokens=None, num_local_experts=None, local_expert_offset=0, tile_size=128,
+                 sf_vec_size=16, output_dtype="bfloat16", device="cuda", enable_pdl=True,
+                 activation_type=ActivationType.Swiglu, swiglu_alpha=1.0, swiglu_beta=0.0, swiglu_limit=FLT_MAX,
+                 situ_beta=None, situ_linear_beta=None, use_fused_finalize=True, quant_mode="w4a4",
+                 localized_weights=None, locality_streams=None):
+        if localized_weights is not None or locality_streams is not None:
+            raise ValueError("qmoe: argument 'localized_weights': expected None: locality domains exist only on "
+                             "two-die GPUs (Rubin); Hopper is one die, so there is nothing to localize")
+        self.num_experts, self.top_k = int(num_experts), int(top_k)
+        self.hidden_size, self.intermediate_size = int(hidden_size), int(intermediate_size)
+        self.num_local_experts = self.num_experts if num_local_experts is None else int(num_local_experts)
+        self.local_expert_offset = int(local_expert_offset)
+        self.max_num_tokens = max_num_tokens
+        self.use_cuda_graph = bool(use_cuda_graph)
+        self.output_dtype, self.device, self.enable_pdl = output_dtype, device, enable_pdl
+        self.quant_mode = _quant_mode(quant_mode)
+        self.activation = _activation(activation_type, situ_beta, situ_linear_beta)
+        self._config = dict(activation_type=activation_type, swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta,
+                            swiglu_limit=swiglu_limit, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                            use_fused_finalize=use_fused_finalize)
+
+    def get_valid_tactics(self):
+        """Tactic names usable by run(); the CPU backend has a single one ('reference')."""
+        return ["reference"]
+
+    def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
+            fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None,
+            moe_output=None):
+        if w2_weight.shape[1] != self.hidden_size:
+            raise ValueError(f"qmoe: argument 'w2_weight': expected hidden size {self.hidden_size} in dim 1, "
+                             f"got shape {tuple(w2_weight.shape)}")
+        return cute_dsl_fused_moe(
+            x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha, fc2_input_scale,
+            w2_weight, w2_weight_sf, w2_alpha, self.num_experts, self.top_k,
+            num_local_experts=self.num_local_experts, local_expert_offset=self.local_expert_offset,
+            output_dtype=self.output_dtype, moe_output=moe_output, enable_pdl=self.enable_pdl,
+            quant_mode=self.quant_mode, per_token_scale=per_token_scale,
+            tactic=None if tactic in (None, "reference") else tactic, **self._config)
+
+
+_tuning = threading.local()
+
+
+@contextlib.contextmanager
+def autotune(tune_mode: bool = True, cache: str | None = None):
+    """FlashInfer-style autotune context. Inside it, qmoe profiles the valid tactics of each new
+    problem bucket once and keeps the winner (in memory, and in `cache` as JSON when given).
+    The CPU backend has one tactic, so there it only loads/saves the cache file."""
+    previous = getattr(_tuning, "state", None)
+    entries = {}
+    if cache and os.path.exists(cache):
+        with open(cache) as f:
+            entries = json.load(f).get("entries", {})
+    _tuning.state = {"tune": bool(tune_mode), "entries": entries}
+    try:
+        yield
+    finally:
+        state, _tuning.state = _tuning.state, previous
+        if cache and tune_mode:
+            with open(cache, "w") as f:
+                json.dump({"_metadata": {"library": "qmoe"}, "entries": state["entries"]}, f, indent=1)

@@ -1,0 +1,35 @@
+"""Drop-in for sgl_kernel's CUTLASS W4A8 MoE ops (same names, signatures and layouts).
+
+    from qmoe.compat.sgl_kernel import get_cutlass_w4a8_moe_mm_data, cutlass_w4a8_moe_mm
+
+Differences from SGLang, all on the side of safety: every argument is validated (clear
+ValueError/TypeError before any launch, where SGLang silently computes garbage: K % 128 != 0,
+chunk_size != 128, E > 1024, fp16 `d`, int64 offsets); `input_permutation` and
+`output_permutation` are filled (SGLang leaves them unwritten); `a_scales` of shape [R] gives
+per-row activation scales (SGLang reads element 0 only); int64 `topk_ids` are accepted.
+"""
+from __future__ import annotations
+
+from .. import _C
+from .._tensors import arg, current_stream
+
+
+def get_cutlass_w4a8_moe_mm_data(topk_ids, expert_offsets, problem_sizes1, problem_sizes2, input_permutation,
+                                 output_permutation, num_experts: int, n: int, k: int) -> None:
+    """Routing -> expert_offsets [E+1], problem_sizes1/2 [E,3], permutations [numel] (all int32, in place)."""
+    _C.moe_mm_data(arg(topk_ids, "topk_ids"), arg(expert_offsets, "expert_offsets"),
+                   arg(problem_sizes1, "problem_sizes1"), arg(problem_sizes2, "problem_sizes2"),
+                   arg(input_permutation, "input_permutation"), arg(output_permutation, "output_permutation"),
+                   int(num_experts), int(n), int(k), current_stream(topk_ids))
+
+
+def cutlass_w4a8_moe_mm(d, a, b, a_scales, b_scales, experts_offsets, problem_sizes, a_strides, b_strides,
+                        d_strides, s_strides, chunk_size: int = 128, topk: int = 8, *, tactic=None) -> None:
+    """Grouped int4 x fp8 GEMM: d[r] = bf16(a_scale * sum_g S[e,:,g] * (a[r] . q[e,:,g])) for expert e's rows.
+
+    `tactic` (qmoe extension) forces a kernel tactic by name (see qmoe.valid_tactics).
+    """
+    _C.w4a8_moe_mm(arg(d, "d"), arg(a, "a"), arg(b, "b"), arg(a_scales, "a_scales"), arg(b_scales, "b_scales"),
+                   arg(experts_offsets, "experts_offsets"), arg(problem_sizes, "problem_sizes"),
+                   arg(a_strides, "a_strides"), arg(b_strides, "b_strides"), arg(d_strides, "d_strides"),
+                   arg(s_strides, "s_strides"), int(chunk_size), int(topk), current_stream(a), tactic)

@@ -1,0 +1,88 @@
+"""qmoe's native Python API. Tensors: numpy arrays run the CPU reference backend; torch CUDA
+tensors run the Hopper kernels on torch's current stream. Outputs are allocated with the caller's
+framework when not given."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _C
+from ._tensors import arg, current_stream, is_torch
+
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover
+    ml_dtypes = None
+
+QUANT_MODES = ("w4a4", "w4a8", "w4a16", "w4a8_int4", "w4a16_int4")
+ACTIVATIONS = ("swiglu", "geglu_tanh", "relu2", "situ")
+GATE_UP_LAYOUTS = ("gate_up", "up_gate_interleaved64")
+OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def empty_like_framework(like, shape, dtype_name: str):
+    """Allocate an uninitialised tensor with like's framework and device."""
+    if is_torch(like):
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, dtype_name), device=like.device)
+    if dtype_name == "bfloat16":
+        return np.empty(shape, dtype=ml_dtypes.bfloat16)
+    return np.empty(shape, dtype=np.dtype(dtype_name))
+
+
+def _dtype_name(dtype) -> str:
+    name = str(dtype).replace("torch.", "")
+    if name not in OUTPUT_DTYPES:
+        raise ValueError(f"qmoe: argument 'output_dtype': expected one of {OUTPUT_DTYPES}, got {name}")
+    return name
+
+
+def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mode, num_experts,
+              x_scale=None, w1_alpha=None, w2_alpha=None, fc2_input_scale=None, per_token_scale=None,
+              num_local_experts=None, local_expert_offset=0, activation="swiglu", swiglu_alpha=1.0,
+              swiglu_beta=0.0, swiglu_limit=math.inf, situ_beta=1.0, situ_linear_beta=None,
+              gate_up_layout="gate_up", deterministic=False, routed_scaling_factor=1.0,
+              output_dtype="bfloat16", out=None, tactic=None):
+    """One MoE layer: out[t] = rsf * sum_j w[t,j] * alpha2 * W2 . requant(act(alpha1 * W13 . x[t])).
+
+    See include/qmoe/fused_moe.h for the tensors of each quant_mode. `out` ([T, H]) is written,
+    never accumulated into. Returns the output tensor.
+    """
+    if quant_mode not in QUANT_MODES:
+        raise ValueError(f"qmoe: argument 'quant_mode': expected one of {QUANT_MODES}, got {quant_mode!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"qmoe: argument 'activation': expected one of {ACTIVATIONS}, got {activation!r}")
+    if gate_up_layout not in GATE_UP_LAYOUTS:
+        raise ValueError(
+            f"qmoe: argument 'gate_up_layout': expected one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+    if len(getattr(topk_ids, "shape", ())) != 2:
+        raise ValueError("qmoe: argument 'topk_ids': expected a 2-D tensor [T, top_k], got "
+                         f"shape {tuple(getattr(topk_ids, 'shape', ()))}")
+    if len(getattr(w2, "shape", ())) != 3:
+        raise ValueError("qmoe: argument 'w2': expected a 3-D tensor [E_local, H, I/2], got "
+                         f"shape {tuple(getattr(w2, 'shape', ()))}")
+    num_tokens, hidden = topk_ids.shape[0], w2.shape[1]
+    if out is None:
+        out = empty_like_framework(x, (num_tokens, hidden), _dtype_name(output_dtype))
+    workspace = None  # the GPU pipeline sizes its scratch through _C (fused-MoE issue)
+    _C.fused_moe(
+        quant_mode, arg(x, "x"), arg(x_scale, "x_scale"), arg(topk_ids, "topk_ids"),
+        arg(topk_weights, "topk_weights"), arg(w1, "w1"), arg(w1_scale, "w1_scale"), arg(w1_alpha, "w1_alpha"),
+        arg(fc2_input_scale, "fc2_input_scale"), arg(w2, "w2"), arg(w2_scale, "w2_scale"),
+        arg(w2_alpha, "w2_alpha"), arg(per_token_scale, "per_token_scale"), arg(out, "out"), int(num_experts),
+        int(num_experts if num_local_experts is None else num_local_experts), int(local_expert_offset),
+        activation, float(swiglu_alpha), float(swiglu_beta), float(min(swiglu_limit, np.finfo(np.float32).max)),
+        float(situ_beta), None if situ_linear_beta is None else float(situ_linear_beta), gate_up_layout,
+        bool(deterministic), float(routed_scaling_factor), tactic or "", workspace, current_stream(x))
+    return out
+
+
+def select_tactic(n: int, k: int, total_rows: int, num_experts: int, topk: int = 8) -> str:
+    """The W4A8 grouped GEMM tactic the heuristic picks for this problem (pure function)."""
+    return _C.select_tactic(n, k, total_rows, num_experts, topk)
+
+
+def valid_tactics(n: int, k: int, total_rows: int, num_experts: int, topk: int = 8) -> list:
+    return list(_C.valid_tactics(n, k, total_rows, num_experts, topk))
