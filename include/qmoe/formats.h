@@ -2,14 +2,23 @@
 // and array-level quantize / dequantize / pack / layout helpers (CPU; GPU versions in quant_gpu.h).
 //
 // Rounding rules (tested bit for bit against numpy + ml_dtypes):
-//   bf16   : round-to-nearest-even from fp32; NaN stays NaN (quiet), inf stays inf.
-//   e4m3fn : RNE; |x| > 448 saturates to +-448 (no inf in the format); NaN -> 0x7F (sign kept).
-//   e2m1   : RNE on the grid {0, .5, 1, 1.5, 2, 3, 4, 6}; |x| > 6 saturates to +-6; NaN -> code
-//            documented at float_to_e2m1 (the block scale carries NaN, see below).
+//   bf16   : round-to-nearest-even from fp32; NaN -> 0x7FC0 | sign (canonical quiet NaN), inf stays inf.
+//   e4m3fn : RNE (fp32 denormals included); |x| >= 448 and +-inf saturate to +-448 (no inf in the
+//            format); NaN -> 0x7F | sign.
+//   e2m1   : RNE on the grid {0, .5, 1, 1.5, 2, 3, 4, 6}; |x| > 6 saturates to +-6; NaN -> 0x7
+//            (documented at float_to_e2m1: the block scale carries NaN, see below).
 //   ue8m0  : value 2^(code-127); code 0xFF is NaN. MX scales from qmoe's quantizers are the smallest
-//            power of two >= amax / max_code (448 for e4m3, 6 for e2m1); an all-zero block gets code 0.
+//            power of two >= amax / max_code (448 for e4m3, 6 for e2m1), computed by ue8m0_ceil
+//            (never rounded to nearest); an all-zero block gets code 0.
 //   int4   : signed [-8, 7], two per byte, even K index in the low nibble.
 // A NaN anywhere in a block gives that block the NaN scale code (e4m3 0x7F, ue8m0 0xFF).
+//
+// Hardware agreement (checked on an H200 over all 2^32 fp32 bit patterns): float_to_e4m3 equals
+// cvt.rn.satfinite.e4m3x2.f32 (__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)) and
+// float_to_bf16 equals __float2bfloat16_rn for every non-NaN input. NaNs differ only in bits: the
+// hardware gives e4m3 0x7F for every NaN (sign dropped) and bf16 0x7FFF; these codecs keep the sign
+// (0x7F|sign, 0x7FC0|sign, as ml_dtypes). Compare GPU and reference NaNs by isnan, not by bits.
+// These functions are QMOE_HD inline so device code can use the exact same rounding.
 #pragma once
 
 #include <cstdint>

@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstring>
 #include <string>
-#include <vector>
 
 #include "qmoe/formats.h"
 
@@ -68,10 +67,6 @@ void check_divisible(int64_t k, int64_t by, const std::string& name) {
 float load_real(const TensorRef& t, int64_t i) {
   if (t.dtype == DType::kFloat32) return t.ptr<const float>()[i];
   return bf16_to_float(t.ptr<const uint16_t>()[i]);
-}
-void store_real(const TensorRef& t, int64_t i, float v) {
-  if (t.dtype == DType::kFloat32) t.ptr<float>()[i] = v;
-  else t.ptr<uint16_t>()[i] = float_to_bf16(v);
 }
 uint8_t* bytes(const TensorRef& t) { return static_cast<uint8_t*>(t.data); }
 const uint8_t* cbytes(const TensorRef& t) { return static_cast<const uint8_t*>(t.data); }

@@ -1,0 +1,330 @@
+"""Weight and activation preparation: quantize / dequantize / pack / layout helpers (DESIGN.md 3).
+
+numpy arrays in, numpy arrays out (outputs allocated here with numpy / ml_dtypes); the work runs in
+the C++ reference (qmoe._C, src/reference/formats.cpp), whose rounding rules are written in
+include/qmoe/formats.h: e4m3 RNE saturating to +-448 (NaN -> 0x7F|sign), e2m1 RNE saturating to +-6
+(NaN -> 0x7), bf16 RNE, MX scales = smallest power of two >= amax / max_code.
+
+Real inputs may be float32 or ml_dtypes.bfloat16 (used as they are) or any other real dtype
+(converted to float32 first). Returned dtypes:
+  int4   : int8 [..., K/2] (two values per byte, even K index in the low nibble; SGLang's dtype)
+  fp4    : uint8 [..., K/2] (two e2m1 codes per byte, even K index in the low nibble)
+  e4m3   : ml_dtypes.float8_e4m3fn
+  ue8m0  : uint8 codes (value 2^(code - 127), 255 = NaN)
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from . import _C
+from ._tensors import arg, is_torch
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+__all__ = [
+    "quantize_int4_g128", "dequantize_int4_g128", "pack_int4", "unpack_int4", "int4_scale_layout_shape",
+    "interleave_int4_scales", "deinterleave_int4_scales", "quantize_fp8", "fp8_dynamic_scale",
+    "dequantize_fp8", "nvfp4_global_scale", "quantize_nvfp4", "dequantize_nvfp4", "quantize_mxfp4",
+    "dequantize_mxfp4", "quantize_mxfp8", "dequantize_mxfp8", "swizzle_scales_128x4",
+    "unswizzle_scales_128x4", "gate_up_sglang_to_flashinfer", "gate_up_flashinfer_to_sglang",
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# Input handling
+# ------------------------------------------------------------------------------------------------
+def _host(t, name: str) -> np.ndarray:
+    """A C-contiguous numpy array for the CPU reference.
+
+    ---- GPU DISPATCH GOES HERE ----
+    A torch CUDA tensor should go to the GPU quantizers (quant_gpu.h, not written yet) on torch's
+    current stream (qmoe._tensors.current_stream), with outputs allocated by torch. Until then it
+    is refused, never copied to the host behind the caller's back.
+    """
+    if is_torch(t):
+        if t.is_cuda:
+            raise NotImplementedError(
+                f"qmoe.quant: argument '{name}' is a CUDA tensor; GPU quantization is not implemented yet "
+                "(pass a numpy array)")
+        import torch
+
+        t = t.detach()
+        t = t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
+    if not isinstance(t, np.ndarray):
+        t = np.asarray(t)
+    return np.ascontiguousarray(t)
+
+
+def _real(x, name: str) -> np.ndarray:
+    """float32 or bfloat16 as given; any other real dtype converted to float32."""
+    x = _host(x, name)
+    if x.dtype not in (np.float32, BF16):
+        if x.dtype.kind not in "fiu" and x.dtype != E4M3:
+            raise TypeError(f"qmoe.quant: argument '{name}': expected a real array, got dtype {x.dtype}")
+        x = x.astype(np.float32)
+    return x
+
+
+def _last_axis(x: np.ndarray, name: str, multiple: int) -> int:
+    if x.ndim < 1 or x.shape[-1] % multiple:
+        raise ValueError(f"qmoe: argument '{name}': expected a last axis divisible by {multiple}, "
+                         f"got shape {list(x.shape)}")
+    return x.shape[-1]
+
+
+def _codes_u8(t, name: str) -> np.ndarray:
+    """1-byte code arrays (int8, uint8, float8_e4m3fn, float8_e8m0fnu) passed through as stored."""
+    t = _host(t, name)
+    if t.itemsize != 1:
+        raise TypeError(f"qmoe.quant: argument '{name}': expected a 1-byte dtype, got dtype {t.dtype}")
+    return t
+
+
+# ------------------------------------------------------------------------------------------------
+# int4-g128 (SGLang W4A8 weights)
+# ------------------------------------------------------------------------------------------------
+def quantize_int4_g128(w):
+    """w real [..., K] (K % 128 == 0) -> (q int8 [..., K/2], scales float32 [..., K/128]).
+
+    s = amax / 7 per group of 128 along K (1 for an all-zero group), q = clamp(rne(w / s), -8, 7).
+    """
+    w = _real(w, "w")
+    k = _last_axis(w, "w", 128)
+    q = np.empty(w.shape[:-1] + (k // 2,), np.int8)
+    scales = np.empty(w.shape[:-1] + (k // 128,), np.float32)
+    _C.quantize_int4_g128(arg(w, "w"), arg(q, "q"), arg(scales, "scales"))
+    return q, scales
+
+
+def dequantize_int4_g128(q, scales):
+    """q int4 [..., K/2] (int8/uint8), logical scales float32/bfloat16 [..., K/128] -> float32 [..., K]."""
+    q = _codes_u8(q, "q")
+    scales = _real(scales, "scales")
+    out = np.empty(q.shape[:-1] + (q.shape[-1] * 2,), np.float32)
+    _C.dequantize_int4_g128(arg(q, "q"), arg(scales, "scales"), arg(out, "out"))
+    return out
+
+
+def pack_int4(values):
+    """int values in [-8, 7] [..., K] (K even) -> int8 [..., K/2], even K index in the low nibble."""
+    v = _host(values, "values")
+    if v.dtype.kind not in "iu":
+        raise TypeError(f"qmoe.quant: argument 'values': expected an integer array, got dtype {v.dtype}")
+    if v.dtype != np.int8:
+        if v.size and (v.min() < -8 or v.max() > 7):
+            raise ValueError("qmoe: argument 'values': expected int4 values in [-8, 7], "
+                             f"got range [{v.min()}, {v.max()}]")
+        v = v.astype(np.int8)
+    _last_axis(v, "values", 2)
+    packed = np.empty(v.shape[:-1] + (v.shape[-1] // 2,), np.int8)
+    _C.pack_int4(arg(v, "values"), arg(packed, "packed"))
+    return packed
+
+
+def unpack_int4(packed):
+    """int4 [..., K/2] (int8/uint8) -> int8 values [..., K]."""
+    p = _codes_u8(packed, "packed")
+    values = np.empty(p.shape[:-1] + (p.shape[-1] * 2,), np.int8)
+    _C.unpack_int4(arg(p, "packed"), arg(values, "values"))
+    return values
+
+
+def int4_scale_layout_shape(experts: int, n: int, k: int) -> tuple:
+    """Shape of SGLang's stored scales: (E, K/512, 4N) when K % 512 == 0, else (E, K/128, N)."""
+    return tuple(_C.int4_scale_layout_shape(experts, n, k))
+
+
+def interleave_int4_scales(scales):
+    """Logical scales S [E, N, G] (float32 or bfloat16) -> SGLang's stored layout, same dtype:
+    [E, G/4, 4N] with out[e, kb, 4n + j] = S[e, n, 4kb + j] when G % 4 == 0 (K % 512 == 0),
+    else [E, G, N] (transposed)."""
+    s = _real(scales, "scales")
+    if s.ndim != 3:
+        raise ValueError(f"qmoe: argument 'scales': expected [E, N, G], got shape {list(s.shape)}")
+    e, n, g = s.shape
+    out = np.empty((e, g // 4, 4 * n) if g % 4 == 0 else (e, g, n), s.dtype)
+    _C.interleave_int4_scales(arg(s, "scales"), arg(out, "out"))
+    return out
+
+
+def deinterleave_int4_scales(stored, k: int):
+    """SGLang's stored scales for a weight of reduction size k -> logical S [E, N, K/128]."""
+    st = _real(stored, "stored")
+    if st.ndim != 3 or k % 128:
+        raise ValueError(f"qmoe: argument 'stored': expected [E, *, *] scales and k % 128 == 0, "
+                         f"got shape {list(st.shape)} and k={k}")
+    g = k // 128
+    n = st.shape[2] // 4 if g % 4 == 0 else st.shape[2]
+    out = np.empty((st.shape[0], n, g), st.dtype)
+    _C.deinterleave_int4_scales(arg(st, "stored"), arg(out, "scales"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 e4m3 activations
+# ------------------------------------------------------------------------------------------------
+def fp8_dynamic_scale(x, per_token: bool = False):
+    """amax / 448 over the tensor (shape [1]) or each row (shape x.shape[:-1]); an all-zero
+    tensor / row gets 1; NaN or inf is kept (never hidden)."""
+    x = _real(x, "x")
+    scale = np.empty(x.shape[:-1] if per_token and x.ndim > 1 else (1,), np.float32)
+    _C.fp8_dynamic_scale(arg(x, "x"), arg(scale, "scale"))
+    return scale
+
+
+def quantize_fp8(x, scale=None, per_token: bool = False):
+    """q = e4m3(x / scale), RNE, saturating to +-448. Returns (q float8_e4m3fn [..., K], scale f32).
+
+    scale None: dynamic, amax / 448 per tensor (or per row when per_token). Otherwise a float or an
+    array with one element (per tensor) or one per row (per token)."""
+    x = _real(x, "x")
+    if scale is None:
+        scale = fp8_dynamic_scale(x, per_token)
+    else:
+        scale = np.ascontiguousarray(np.asarray(_host(scale, "scale"), np.float32))
+        if scale.ndim == 0:
+            scale = scale.reshape(1)
+    q = np.empty(x.shape, E4M3)
+    _C.quantize_fp8(arg(x, "x"), arg(scale, "scale"), arg(q, "q"))
+    return q, scale
+
+
+def dequantize_fp8(q, scale):
+    """float32 [..., K] = e4m3(q) * scale (one element, or one per row)."""
+    q = _codes_u8(q, "q")
+    if q.dtype == np.uint8:
+        q = q.view(E4M3)
+    scale = np.ascontiguousarray(np.asarray(_host(scale, "scale"), np.float32))
+    if scale.ndim == 0:
+        scale = scale.reshape(1)
+    out = np.empty(q.shape, np.float32)
+    _C.dequantize_fp8(arg(q, "q"), arg(scale, "scale"), arg(out, "out"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# NVFP4 / MXFP4 / MXFP8
+# ------------------------------------------------------------------------------------------------
+def nvfp4_global_scale(amax) -> float:
+    """The usual NVFP4 encode scale 448 * 6 / amax (1 when amax is 0): the largest block of the
+    tensor then gets the largest e4m3 block scale."""
+    amax = float(np.float32(amax))
+    return 1.0 if amax == 0.0 else float(np.float32(448.0 * 6.0) / np.float32(amax))
+
+
+def quantize_nvfp4(x, global_scale: float):
+    """x real [..., K] (K % 16 == 0) -> (q uint8 [..., K/2], sf float8_e4m3fn [..., K/16]).
+
+    Per 16: sf = e4m3((gs * amax) / 6), q = e2m1((x * gs) / sf) (0 when sf is 0); NaN block -> sf 0x7F."""
+    x = _real(x, "x")
+    k = _last_axis(x, "x", 16)
+    q = np.empty(x.shape[:-1] + (k // 2,), np.uint8)
+    sf = np.empty(x.shape[:-1] + (k // 16,), E4M3)
+    _C.quantize_nvfp4(arg(x, "x"), float(global_scale), arg(q, "q"), arg(sf, "sf"))
+    return q, sf
+
+
+def dequantize_nvfp4(q, sf, global_scale: float):
+    """float32 [..., K] = (e2m1(q) * e4m3(sf)) / gs."""
+    q = _codes_u8(q, "q")
+    sf = _codes_u8(sf, "sf")
+    if sf.dtype == np.uint8:
+        sf = sf.view(E4M3)
+    out = np.empty(q.shape[:-1] + (q.shape[-1] * 2,), np.float32)
+    _C.dequantize_nvfp4(arg(q.view(np.uint8), "q"), arg(sf, "sf"), float(global_scale), arg(out, "out"))
+    return out
+
+
+def quantize_mxfp4(x):
+    """x real [..., K] (K % 32 == 0) -> (q uint8 [..., K/2], sf uint8 ue8m0 [..., K/32])."""
+    x = _real(x, "x")
+    k = _last_axis(x, "x", 32)
+    q = np.empty(x.shape[:-1] + (k // 2,), np.uint8)
+    sf = np.empty(x.shape[:-1] + (k // 32,), np.uint8)
+    _C.quantize_mxfp4(arg(x, "x"), arg(q, "q"), arg(sf, "sf"))
+    return q, sf
+
+
+def quantize_mxfp8(x):
+    """x real [..., K] (K % 32 == 0) -> (q float8_e4m3fn [..., K], sf uint8 ue8m0 [..., K/32])."""
+    x = _real(x, "x")
+    k = _last_axis(x, "x", 32)
+    q = np.empty(x.shape, E4M3)
+    sf = np.empty(x.shape[:-1] + (k // 32,), np.uint8)
+    _C.quantize_mxfp8(arg(x, "x"), arg(q, "q"), arg(sf, "sf"))
+    return q, sf
+
+
+def _ue8m0_codes(sf) -> np.ndarray:
+    return _codes_u8(sf, "sf").view(np.uint8)
+
+
+def dequantize_mxfp4(q, sf):
+    """float32 [..., K] = e2m1(q) * 2^(sf - 127) (NaN for sf 255)."""
+    q = _codes_u8(q, "q").view(np.uint8)
+    out = np.empty(q.shape[:-1] + (q.shape[-1] * 2,), np.float32)
+    _C.dequantize_mxfp4(arg(q, "q"), arg(_ue8m0_codes(sf), "sf"), arg(out, "out"))
+    return out
+
+
+def dequantize_mxfp8(q, sf):
+    """float32 [..., K] = e4m3(q) * 2^(sf - 127) (NaN for sf 255)."""
+    q = _codes_u8(q, "q").view(np.uint8)
+    out = np.empty(q.shape, np.float32)
+    _C.dequantize_mxfp8(arg(q, "q"), arg(_ue8m0_codes(sf), "sf"), arg(out, "out"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Weight-scale swizzle and gate/up row orders
+# ------------------------------------------------------------------------------------------------
+def _round_up(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+def swizzle_scales_128x4(sf):
+    """Row-major 1-byte scales [E, rows, cols] or [rows, cols] -> the same dtype and ndim,
+    [E, round_up(rows, 128), round_up(cols, 4)], bytes in FlashInfer's 128x4 order (DESIGN.md 3.3),
+    padding 0."""
+    sf = _codes_u8(sf, "sf")
+    if sf.ndim not in (2, 3):
+        raise ValueError(f"qmoe: argument 'sf': expected [E, rows, cols] or [rows, cols], got shape {list(sf.shape)}")
+    out = np.empty(sf.shape[:-2] + (_round_up(sf.shape[-2], 128), _round_up(sf.shape[-1], 4)), sf.dtype)
+    _C.swizzle_scales_128x4(arg(sf.view(np.uint8), "sf"), arg(out.view(np.uint8), "out"))
+    return out
+
+
+def unswizzle_scales_128x4(swizzled, rows: int, cols: int):
+    """Inverse of swizzle_scales_128x4: swizzled [E, Rp, Cp] or [Rp, Cp] -> [E, rows, cols] (same dtype)."""
+    sw = _codes_u8(swizzled, "swizzled")
+    if sw.ndim not in (2, 3):
+        raise ValueError(f"qmoe: argument 'swizzled': expected a 2-D or 3-D array, got shape {list(sw.shape)}")
+    out = np.empty(sw.shape[:-2] + (rows, cols), sw.dtype)
+    _C.unswizzle_scales_128x4(arg(sw.view(np.uint8), "swizzled"), arg(out.view(np.uint8), "sf"))
+    return out
+
+
+def _reorder(w, to_flashinfer: bool):
+    w = _host(w, "w")
+    out = np.empty_like(w)
+    # Rows are moved as raw bytes, so every dtype goes across as a same-size integer view.
+    # (float16 for 2 bytes: qmoe has no int16 dtype; the C++ side only copies bytes.)
+    view = {1: np.uint8, 2: np.float16, 4: np.int32, 8: np.int64}.get(w.itemsize)
+    if view is None or w.ndim < 1:
+        raise TypeError(f"qmoe.quant: argument 'w': unsupported dtype {w.dtype}")
+    fn = _C.gate_up_sglang_to_flashinfer if to_flashinfer else _C.gate_up_flashinfer_to_sglang
+    fn(arg(w.view(view), "w"), arg(out.view(view), "out"))
+    return out
+
+
+def gate_up_sglang_to_flashinfer(w):
+    """W13 [E, 2I, C] or [2I, C] (any dtype, or per-row scales) from SGLang's [gate; up] to
+    FlashInfer's [up 0:64, gate 0:64, up 64:128, gate 64:128, ...]. Needs I % 64 == 0."""
+    return _reorder(w, True)
+
+
+def gate_up_flashinfer_to_sglang(w):
+    """Inverse of gate_up_sglang_to_flashinfer."""
+    return _reorder(w, False)

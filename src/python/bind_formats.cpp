@@ -1,0 +1,107 @@
+// Bindings of include/qmoe/formats.h: every array-level quantize / dequantize / pack / layout
+// function, taking _C.Arg tensors with outputs preallocated by Python (python/qmoe/quant.py), plus
+// the scalar codecs over arrays (for bit-exact tests). Only marshalling here; the C++ checks all.
+// CPU functions run with the GIL released: they touch only the arrays the Args keep alive.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <tuple>
+
+#include "python/tensor_arg.h"
+#include "qmoe/formats.h"
+
+namespace qmoe::python {
+
+namespace {
+
+using NoGil = nb::call_guard<nb::gil_scoped_release>;
+
+ScalarCodec codec_from_name(const std::string& name) {
+  if (name == "bf16") return ScalarCodec::kBF16;
+  if (name == "e4m3") return ScalarCodec::kE4M3;
+  if (name == "e2m1") return ScalarCodec::kE2M1;
+  if (name == "ue8m0_ceil") return ScalarCodec::kUE8M0Ceil;
+  throw Error("codec", "one of 'bf16', 'e4m3', 'e2m1', 'ue8m0_ceil'", "'" + name + "'");
+}
+
+}  // namespace
+
+void bind_formats(nb::module_& m) {
+  // int4-g128
+  m.def("quantize_int4_g128", [](const Arg& w, Arg& q, Arg& scales) { quantize_int4_g128(w.ref, q.ref, scales.ref); },
+        nb::arg("w"), nb::arg("q"), nb::arg("scales"), NoGil());
+  m.def("dequantize_int4_g128",
+        [](const Arg& q, const Arg& scales, Arg& out) { dequantize_int4_g128(q.ref, scales.ref, out.ref); },
+        nb::arg("q"), nb::arg("scales"), nb::arg("out"), NoGil());
+  m.def("pack_int4", [](const Arg& values, Arg& packed) { pack_int4(values.ref, packed.ref); }, nb::arg("values"),
+        nb::arg("packed"), NoGil());
+  m.def("unpack_int4", [](const Arg& packed, Arg& values) { unpack_int4(packed.ref, values.ref); }, nb::arg("packed"),
+        nb::arg("values"), NoGil());
+  m.def("interleave_int4_scales", [](const Arg& scales, Arg& out) { interleave_int4_scales(scales.ref, out.ref); },
+        nb::arg("scales"), nb::arg("out"), NoGil());
+  m.def("deinterleave_int4_scales",
+        [](const Arg& stored, Arg& scales) { deinterleave_int4_scales(stored.ref, scales.ref); }, nb::arg("stored"),
+        nb::arg("scales"), NoGil());
+  m.def(
+      "int4_scale_layout_shape",
+      [](int64_t experts, int64_t n, int64_t k) {
+        int64_t s[3];
+        int4_scale_layout_shape(experts, n, k, s);
+        return std::make_tuple(s[0], s[1], s[2]);
+      },
+      nb::arg("experts"), nb::arg("n"), nb::arg("k"));
+
+  // FP8 e4m3
+  m.def("quantize_fp8", [](const Arg& x, const Arg& scale, Arg& q) { quantize_fp8(x.ref, scale.ref, q.ref); },
+        nb::arg("x"), nb::arg("scale"), nb::arg("q"), NoGil());
+  m.def("fp8_dynamic_scale", [](const Arg& x, Arg& scale) { fp8_dynamic_scale(x.ref, scale.ref); }, nb::arg("x"),
+        nb::arg("scale"), NoGil());
+  m.def("dequantize_fp8", [](const Arg& q, const Arg& scale, Arg& out) { dequantize_fp8(q.ref, scale.ref, out.ref); },
+        nb::arg("q"), nb::arg("scale"), nb::arg("out"), NoGil());
+
+  // NVFP4 / MX
+  m.def("quantize_nvfp4",
+        [](const Arg& x, float global_scale, Arg& q, Arg& sf) { quantize_nvfp4(x.ref, global_scale, q.ref, sf.ref); },
+        nb::arg("x"), nb::arg("global_scale"), nb::arg("q"), nb::arg("sf"), NoGil());
+  m.def("dequantize_nvfp4",
+        [](const Arg& q, const Arg& sf, float global_scale, Arg& out) {
+          dequantize_nvfp4(q.ref, sf.ref, global_scale, out.ref);
+        },
+        nb::arg("q"), nb::arg("sf"), nb::arg("global_scale"), nb::arg("out"), NoGil());
+  m.def("quantize_mxfp4", [](const Arg& x, Arg& q, Arg& sf) { quantize_mxfp4(x.ref, q.ref, sf.ref); }, nb::arg("x"),
+        nb::arg("q"), nb::arg("sf"), NoGil());
+  m.def("dequantize_mxfp4", [](const Arg& q, const Arg& sf, Arg& out) { dequantize_mxfp4(q.ref, sf.ref, out.ref); },
+        nb::arg("q"), nb::arg("sf"), nb::arg("out"), NoGil());
+  m.def("quantize_mxfp8", [](const Arg& x, Arg& q, Arg& sf) { quantize_mxfp8(x.ref, q.ref, sf.ref); }, nb::arg("x"),
+        nb::arg("q"), nb::arg("sf"), NoGil());
+  m.def("dequantize_mxfp8", [](const Arg& q, const Arg& sf, Arg& out) { dequantize_mxfp8(q.ref, sf.ref, out.ref); },
+        nb::arg("q"), nb::arg("sf"), nb::arg("out"), NoGil());
+
+  // Layout helpers
+  m.def("swizzled_offset", &swizzled_offset, nb::arg("expert"), nb::arg("row"), nb::arg("col"), nb::arg("row_tiles"),
+        nb::arg("col_tiles"));
+  m.def("swizzle_scales_128x4", [](const Arg& sf, Arg& out) { swizzle_scales_128x4(sf.ref, out.ref); }, nb::arg("sf"),
+        nb::arg("out"), NoGil());
+  m.def("unswizzle_scales_128x4", [](const Arg& swizzled, Arg& sf) { unswizzle_scales_128x4(swizzled.ref, sf.ref); },
+        nb::arg("swizzled"), nb::arg("sf"), NoGil());
+  m.def("gate_up_sglang_to_flashinfer", [](const Arg& w, Arg& out) { gate_up_sglang_to_flashinfer(w.ref, out.ref); },
+        nb::arg("w"), nb::arg("out"), NoGil());
+  m.def("gate_up_flashinfer_to_sglang", [](const Arg& w, Arg& out) { gate_up_flashinfer_to_sglang(w.ref, out.ref); },
+        nb::arg("w"), nb::arg("out"), NoGil());
+
+  // Scalar codecs over arrays: codec in {'bf16', 'e4m3', 'e2m1', 'ue8m0_ceil'}.
+  m.def(
+      "encode_elementwise",
+      [](const Arg& x, const std::string& codec, Arg& codes) {
+        encode_elementwise(x.ref, codec_from_name(codec), codes.ref);
+      },
+      nb::arg("x"), nb::arg("codec"), nb::arg("codes"));
+  m.def(
+      "decode_elementwise",
+      [](const Arg& codes, const std::string& codec, Arg& out) {
+        decode_elementwise(codes.ref, codec_from_name(codec), out.ref);
+      },
+      nb::arg("codes"), nb::arg("codec"), nb::arg("out"));
+}
+
+}  // namespace qmoe::python
