@@ -234,8 +234,12 @@ TEST(MoeMmDataValidation, TopkIdsDtype) {
   expect_error([](ValidCall& c) { c.t_ids.dtype = DType::kInt8; }, "topk_ids", qmoe::ErrorKind::kType);
 }
 TEST(MoeMmDataValidation, TopkIdsContiguous) {
-  expect_error([](ValidCall& c) { c.t_ids = qmoe::make_tensor(c.ids.data(), DType::kInt32, {2, 2}); c.t_ids.strides[0] = 3; },
-               "topk_ids");
+  expect_error(
+      [](ValidCall& c) {
+        c.t_ids = qmoe::make_tensor(c.ids.data(), DType::kInt32, {2, 2});
+        c.t_ids.strides[0] = 3;  // a [2, 2] slice of a [2, 3] matrix
+      },
+      "topk_ids");
 }
 TEST(MoeMmDataValidation, TopkIdsNullData) {
   expect_error([](ValidCall& c) { c.t_ids.data = nullptr; }, "topk_ids");
@@ -270,8 +274,14 @@ TEST(MoeMmDataValidation, PermutationShapes) {
   expect_error([](ValidCall& c) { c.o.t_out.shape[0] = 7; }, "output_permutation");
 }
 TEST(MoeMmDataValidation, OutputsContiguous) {
-  expect_error([](ValidCall& c) { c.o.t_out.shape[0] = 3; c.o.t_out.strides[0] = 2; c.t_ids.shape[0] = 1; c.t_ids.shape[1] = 3; },
-               "output_permutation");
+  expect_error(
+      [](ValidCall& c) {
+        c.t_ids = qmoe::make_tensor(c.ids.data(), DType::kInt32, {1, 3});
+        c.o.t_in.shape[0] = 3;
+        c.o.t_out.shape[0] = 3;
+        c.o.t_out.strides[0] = 2;  // every other element of a 6-element buffer
+      },
+      "output_permutation");
   expect_error([](ValidCall& c) { c.o.t_sizes1.strides[0] = 4; }, "problem_sizes1");
 }
 TEST(MoeMmDataValidation, SameDevice) {
