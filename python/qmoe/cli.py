@@ -20,22 +20,17 @@ def _cpu_demo(args) -> int:
 
     from . import fused_moe, testing
 
-    model = args.model
-    shape = testing.MODEL_SHAPES[model]
-    experts, top_k, hidden, inter = shape["E"], shape["k"], shape["H"], shape["I"]
-    rng = np.random.default_rng(0)
-    print(f"qmoe bench: no CUDA GPU found -> running the CPU reference engine instead (not a benchmark).")
-    print(f"  {model}: E={experts} top_k={top_k} H={hidden} I={inter}, T={args.tokens}, quant_mode=w4a8_int4")
-    problem = testing.make_w4a8_int4_problem(rng, tokens=args.tokens, experts=experts, top_k=top_k,
-                                             hidden=hidden, inter=inter)
+    experts, top_k, hidden, inter = testing.MODEL_SHAPES[args.model]
+    print("qmoe bench: no CUDA GPU found -> running the CPU reference engine instead (not a benchmark).")
+    print(f"  {args.model}: E={experts} top_k={top_k} H={hidden} I={inter}, T={args.tokens}, "
+          "quant_mode=w4a8_int4, deterministic finalize")
+    case = testing.make_fused_moe_case("w4a8_int4", args.tokens, hidden, inter, experts, top_k, seed=0)
     start = time.perf_counter()
-    out = fused_moe(problem["x"], problem["topk_ids"], problem["topk_weights"], problem["w1"], problem["w1_scale"],
-                    problem["w2"], problem["w2_scale"], quant_mode="w4a8_int4", num_experts=experts,
-                    x_scale=problem["a1"], fc2_input_scale=problem["a2"], deterministic=True)
+    out = fused_moe(**case, deterministic=True)
     seconds = time.perf_counter() - start
     out32 = out.astype(np.float32)
     print(f"  CPU reference: {seconds:.2f} s, output [{out.shape[0]}, {out.shape[1]}] bf16, "
-          f"rms {float(np.sqrt(np.mean(out32 ** 2))):.4g}, finite {bool(np.isfinite(out32).all())}")
+          f"rms {float(np.sqrt(np.mean(out32 ** 2))):.4g}, all finite: {bool(np.isfinite(out32).all())}")
     return 0
 
 
@@ -44,7 +39,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command")
     bench = sub.add_parser("bench", help="benchmark on the GPU (CPU reference demo without one)")
     bench.add_argument("what", nargs="?", default="gemm", choices=["gemm"], help="what to benchmark")
-    bench.add_argument("--model", default="Qwen3-30B-A3B", help="model shape for the CPU demo")
+    bench.add_argument("--model", default="qwen3_30b_a3b", help="model shape for the CPU demo (qmoe.testing.MODEL_SHAPES)")
     bench.add_argument("--tokens", type=int, default=8, help="tokens for the CPU demo")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the GPU benchmark")
     sub.add_parser("info", help="print build information")
