@@ -8,25 +8,34 @@
 //   input_permutation[r]  = slot at row r of the expert-sorted matrix, stable by slot; -1 for r >= off[E]
 //   output_permutation[s] = row of slot s (the inverse), -1 for a dropped slot
 //
-// Algorithm: ONE CTA of 1024 threads (32 warps), one launch, no workspace, cost O(S + E):
-//   pass 1  warp w owns the contiguous slot range [w*R, (w+1)*R) and counts it into its private
-//           shared histogram hist[w][*]. Lanes holding the same id find each other with
-//           __match_any_sync; the lowest lane of each peer group adds the group size. Only warp w
-//           touches row w, and the ids of distinct groups differ, so no atomics are needed.
-//   scan    thread e sums column e (over warps), a block scan gives off[e]; thread e then turns
-//           hist[w][e] into the first row of (warp w, expert e): off[e] + sum_{w' < w} hist[w'][e].
-//           This (expert-major, warp-minor) order is what makes the placement stable by slot.
-//   pass 2  each warp re-walks its range in the same order; a slot's row is
+// Algorithm: one launch of C CTAs x 1024 threads (32 warps), no workspace, cost O(S + C*E):
+//   pass 1  CTA c owns a contiguous slot range, warp w of it a contiguous part; each warp counts
+//           its part into its private shared histogram hist[w][*]. Lanes holding the same id
+//           find each other with __match_any_sync; the lowest lane of each peer group adds the
+//           group size. Only warp w touches row w, and distinct groups have distinct ids, so no
+//           atomics are needed.
+//   C > 1   (S > 2048) CTA counts go to an exchange buffer, a grid barrier (cooperative launch,
+//           all CTAs co-resident, C <= #SMs), each CTA sums the counts of all CTAs and of the
+//           CTAs before it, a second barrier. One CTA (S <= 2048) skips this.
+//   scan    thread e has cnt[e]; a block scan gives off[e]; thread e then turns hist[w][e] into
+//           the first row of (CTA c, warp w, expert e): off[e] + (CTAs before c) + (warps before w).
+//           This expert-major, then CTA, then warp order makes the placement stable by slot.
+//   pass 2  each warp re-walks its part in the same order; a slot's row is
 //           base[w][id] + (number of lower lanes of its peer group); the group leader then
 //           advances base[w][id] by the group size.
-//   fill    input_permutation[r] = -1 for r in [off[E], S).
-// Shared memory: 32 * E int32 (128 KB at E = 1024; the opt-in limit is raised on launch).
-// Limits: 1 <= E <= 1024 (one scan thread per expert), S < 2^31. Measured cost on an H200 is in
-// the file's test notes (tests/python/test_gpu_w4a8.py::test_routing_timing prints it); one CTA
-// is chosen because S <= 256K slots reads at most 2 MB and a multi-CTA version would need a
-// global workspace the SGLang signature does not provide.
+//   fill    input_permutation[r] = -1 for r in [off[E], S) (grid-stride).
+// Shared memory: 32 * E int32 per CTA (128 KB at E = 1024; the opt-in limit is raised on launch).
+// The exchange buffer is output_permutation itself (C * E <= S is kept): the SGLang signature
+// has no workspace argument, and output_permutation is fully rewritten after the last barrier.
+// Limits: 1 <= E <= 1024 (one scan thread per expert), S < 2^31.
+// Measured on an H200 (CUDA-graph replay, int32 ids; int64 within 0.5 us): E = 256: 4 us at 8
+// slots, 9 us at 2048 (one CTA), 12 us at 32K, 17 us at 256K; E = 1024: 6 us at 8, 20 us at 256K.
+// One CTA alone took 560 us at 256K slots (E = 256): hence the multi-CTA path.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -43,6 +52,11 @@ constexpr int kThreads = kWarps * 32;  // one thread per expert in the scan: E <
 // that a single CTA would otherwise pay once per 32 slots.
 constexpr int kUnroll = 8;
 static_assert(kThreads >= kMaxExperts, "the scan gives each expert one thread");
+// Up to this many slots one CTA does everything (no grid barrier; measured ~9 us at E = 256).
+constexpr int64_t kSingleCtaSlots = 2048;
+// Beyond it, slots per CTA: small enough that each warp walks only a few tiles, large enough
+// that reading the [ctas][experts] exchange buffer stays cheap.
+constexpr int64_t kSlotsPerCta = 2048;
 
 // Expert id of slot s, or E (the "dropped" key) for ids outside [0, E) and slots past the end.
 template <class Id>
@@ -77,7 +91,7 @@ __device__ __forceinline__ int block_inclusive_scan(int value, int* warp_sums) {
 
 template <class Id>
 __global__ void __launch_bounds__(kThreads, 1)
-    moe_mm_data_kernel(const Id* __restrict__ ids, int64_t slots, int experts, int n, int k,
+    moe_mm_data_kernel(const Id* __restrict__ ids, int64_t slots, int64_t cta_range, int experts, int n, int k,
                        int32_t* __restrict__ offsets, int32_t* __restrict__ sizes1, int32_t* __restrict__ sizes2,
                        int32_t* __restrict__ input_perm, int32_t* __restrict__ output_perm) {
   extern __shared__ int hist[];  // [kWarps][experts]: counts after pass 1, running bases in pass 2
@@ -86,13 +100,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned lanes_below = (1u << lane) - 1u;
+  const int ctas = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
   for (int i = threadIdx.x; i < kWarps * experts; i += kThreads) hist[i] = 0;
   __syncthreads();
 
-  // Warp ranges are multiples of 32 slots so every warp load is one aligned-ish 128-byte line.
-  const int64_t range = ((slots + kWarps - 1) / kWarps + 31) / 32 * 32;
-  const int64_t begin = warp * range;
-  const int64_t end = begin + range < slots ? begin + range : slots;
+  // CTA c owns slots [c * cta_range, (c+1) * cta_range), warp w a contiguous 32-multiple part of it.
+  const int64_t cta_begin = cta * cta_range;
+  const int64_t cta_end = cta_begin + cta_range < slots ? cta_begin + cta_range : slots;
+  const int64_t cta_slots = cta_end > cta_begin ? cta_end - cta_begin : 0;
+  const int64_t range = ((cta_slots + kWarps - 1) / kWarps + 31) / 32 * 32;
+  const int64_t begin = cta_begin + warp * range;
+  const int64_t end = begin + range < cta_end ? begin + range : cta_end;
   int* my_hist = hist + warp * experts;
 
   // Pass 1: per-warp histogram.
@@ -109,26 +127,47 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  // Scan: counts per expert, offsets, problem sizes, and per-(warp, expert) bases.
+  // Counts of this CTA, then (multi-CTA) the counts of the CTAs before it and of all CTAs.
   const int e = threadIdx.x;
-  int count = 0;
+  int cta_count = 0;
   if (e < experts)
-    for (int w = 0; w < kWarps; ++w) count += hist[w * experts + e];
+    for (int w = 0; w < kWarps; ++w) cta_count += hist[w * experts + e];
+  int before = 0, count = cta_count;
+  if (ctas > 1) {
+    // NOTE: output_permutation doubles as the [ctas][experts] exchange buffer (the launcher
+    // guarantees ctas * experts <= slots). Every CTA reads all of it between the two grid
+    // barriers, and pass 2 overwrites it only after the second one.
+    cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+    if (e < experts) output_perm[static_cast<int64_t>(cta) * experts + e] = cta_count;
+    grid.sync();
+    if (e < experts) {
+      count = 0;
+#pragma unroll 8
+      for (int c = 0; c < ctas; ++c) {
+        const int v = output_perm[static_cast<int64_t>(c) * experts + e];
+        if (c < cta) before += v;
+        count += v;
+      }
+    }
+    grid.sync();
+  }
+
+  // Offsets over all CTAs (each CTA computes the same scan), problem sizes, per-(warp, expert) bases.
   const int inclusive = block_inclusive_scan(count, warp_sums);
   if (e < experts) {
     const int exclusive = inclusive - count;
-    offsets[e] = exclusive;
-    if (e == experts - 1) {
-      offsets[experts] = inclusive;
-      total_rows = inclusive;
+    if (cta == 0) {
+      offsets[e] = exclusive;
+      if (e == experts - 1) offsets[experts] = inclusive;
+      sizes1[3 * e + 0] = 2 * n;
+      sizes1[3 * e + 1] = count;
+      sizes1[3 * e + 2] = k;
+      sizes2[3 * e + 0] = k;
+      sizes2[3 * e + 1] = count;
+      sizes2[3 * e + 2] = n;
     }
-    sizes1[3 * e + 0] = 2 * n;
-    sizes1[3 * e + 1] = count;
-    sizes1[3 * e + 2] = k;
-    sizes2[3 * e + 0] = k;
-    sizes2[3 * e + 1] = count;
-    sizes2[3 * e + 2] = n;
-    int running = exclusive;
+    if (e == experts - 1) total_rows = inclusive;
+    int running = exclusive + before;
     for (int w = 0; w < kWarps; ++w) {
       const int c = hist[w * experts + e];
       hist[w * experts + e] = running;
@@ -138,7 +177,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   // Rows past the valid ones hold -1 (a different set of addresses from pass 2's rows).
-  for (int64_t r = int64_t{total_rows} + threadIdx.x; r < slots; r += kThreads) input_perm[r] = -1;
+  for (int64_t r = int64_t{total_rows} + static_cast<int64_t>(cta) * kThreads + threadIdx.x; r < slots;
+       r += static_cast<int64_t>(ctas) * kThreads)
+    input_perm[r] = -1;
 
   // Pass 2: same walk, same order; rank inside the peer group keeps slot order.
   for (int64_t tile = begin; tile < end; tile += 32 * kUnroll) {
@@ -183,19 +224,60 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
+// SM count of each device, cached: the launch path must stay cheap and capture-safe.
+int sm_count(int device) {
+  static std::atomic<int> cache[64];
+  if (device >= 0 && device < 64) {
+    const int cached = cache[device].load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  int count = 0;
+  check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  if (device >= 0 && device < 64) cache[device].store(count, std::memory_order_relaxed);
+  return count;
+}
+
+// CTAs for `slots` slots: 1 up to kSingleCtaSlots; beyond, about kSlotsPerCta slots each, at most
+// one per SM (all must be co-resident for the grid barrier), and ctas * experts <= slots (the
+// exchange buffer lives in output_permutation).
+int choose_ctas(int64_t slots, int experts, int device) {
+  if (slots <= kSingleCtaSlots) return 1;
+  int64_t ctas = (slots + kSlotsPerCta - 1) / kSlotsPerCta;
+  ctas = std::min<int64_t>(ctas, sm_count(device));
+  ctas = std::min<int64_t>(ctas, slots / experts);
+  return static_cast<int>(std::max<int64_t>(ctas, 1));
+}
+
 template <class Id>
 void launch(const TensorRef& topk_ids, int32_t* offsets, int32_t* sizes1, int32_t* sizes2, int32_t* input_perm,
             int32_t* output_perm, int experts, int n, int k, cudaStream_t stream) {
   const size_t smem = sizeof(int) * kWarps * static_cast<size_t>(experts);
   auto kernel = moe_mm_data_kernel<Id>;
-  // Above 48 KB the kernel needs the opt-in limit. Setting it is a host-side attribute, legal
-  // during stream capture.
-  if (smem > 48 * 1024)
+  // Static + dynamic shared memory above 48 KB needs the opt-in limit (the static part is ~150
+  // bytes, so E = 384 already crosses it). Setting it is a host-side attribute, legal during
+  // stream capture; the margin keeps small E on the default path.
+  if (smem > 32 * 1024)
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                "cudaFuncSetAttribute(moe_mm_data)");
-  kernel<<<1, kThreads, smem, stream>>>(topk_ids.ptr<const Id>(), topk_ids.numel(), experts, n, k, offsets, sizes1,
-                                        sizes2, input_perm, output_perm);
-  check_cuda(cudaGetLastError(), "moe_mm_data kernel launch");
+  const int64_t slots = topk_ids.numel();
+  const int ctas = choose_ctas(slots, experts, topk_ids.device_index);
+  const int64_t cta_range = ctas == 1 ? slots : (slots + ctas - 1) / ctas;
+  const Id* ids = topk_ids.ptr<const Id>();
+
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeCooperative;
+  attribute[0].val.cooperative = 1;
+  // One CTA never reaches the grid barrier, so it launches as an ordinary kernel.
+  config.attrs = ctas > 1 ? attribute : nullptr;
+  config.numAttrs = ctas > 1 ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&config, kernel, ids, slots, cta_range, experts, n, k, offsets, sizes1, sizes2,
+                                input_perm, output_perm),
+             "moe_mm_data kernel launch");
 }
 
 }  // namespace

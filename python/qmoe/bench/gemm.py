@@ -1,0 +1,387 @@
+"""`qmoe bench gemm`: the W4A8 grouped GEMM at DESIGN.md 7 model shapes (DESIGN.md 8 method).
+
+For each model (E, top-k, H, I) and token count T: uniform random routing (top-k distinct
+experts per token), routing metadata from qmoe's get_cutlass_w4a8_moe_mm_data, then
+  GEMM1  N = 2I, K = H      GEMM2  N = H, K = I        (M = T * top-k rows, all valid)
+timed as qmoe's cutlass_w4a8_moe_mm, torch._grouped_mm (bf16) and torch._scaled_grouped_mm
+(fp8 rowwise scales, use_fast_accum=True) on the same routing, plus SGLang's times from a peer
+measurement file for the same (model, T) when it is readable (another run, same GPU model).
+
+Method: weights are cycled over several weight sets so that the experts one call touches are
+not in L2 from the previous call (sets are added until the bytes touched between two uses of
+a set exceed --rotate-mb); each sample is one CUDA-graph replay of one call per set (eager
+calls between CUDA events if capture fails), divided by the number of sets; median of --iters.
+Bytes touched = int4 weights of the experts hit + their bf16 group scales + fp8 activations +
+bf16 output; FLOPs = 2 M N K. Floor = max(bytes / copy bandwidth, FLOPs / dense fp8 rate), both
+measured at the start of the run (1 GiB device copy; torch._scaled_mm 8192^3, fast accum).
+Output: a markdown table on stdout; JSON + markdown under bench/results/ named
+<date>_<gpu>_gemm.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import statistics
+import sys
+
+DEFAULT_TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
+PEER_FILE = "2026-11-30_h200_sglang_w4a8.json"
+# The shared folder beside the checkout, or a copy inside it (the device machine gets the repo only).
+PEER_CANDIDATES = ("/work/shared/peers/" + PEER_FILE, "shared/peers/" + PEER_FILE, "bench/peers/" + PEER_FILE)
+
+
+def _default_peers() -> str:
+    if "QMOE_SGLANG_PEERS" in os.environ:
+        return os.environ["QMOE_SGLANG_PEERS"]
+    return next((p for p in PEER_CANDIDATES if os.path.exists(p)), PEER_CANDIDATES[0])
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def _parse_args(argv):
+    from .. import testing
+
+    p = argparse.ArgumentParser(prog="qmoe bench gemm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(testing.MODEL_SHAPES),
+                   help="comma list of " + ", ".join(testing.MODEL_SHAPES) + " (default: all)")
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma list of T")
+    p.add_argument("--gemms", default="gemm1,gemm2", help="gemm1, gemm2 or both")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel shard of I (default 1)")
+    p.add_argument("--iters", type=int, default=30, help="timed samples (median)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rotate-mb", type=float, default=256.0,
+                   help="bytes touched between two uses of a weight set, at least (L2 is 50-60 MB)")
+    p.add_argument("--max-weight-gb", type=float, default=40.0, help="cap on the memory of all weight sets")
+    p.add_argument("--no-torch-peers", action="store_true", help="skip torch._grouped_mm / _scaled_grouped_mm")
+    p.add_argument("--peers", default=_default_peers(),
+                   help="SGLang peer measurement JSON ('' to skip; default $QMOE_SGLANG_PEERS or the first of "
+                   + ", ".join(PEER_CANDIDATES) + " that exists)")
+    p.add_argument("--out-dir", default="bench/results")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    by_norm = {_norm(m): m for m in testing.MODEL_SHAPES}
+    unknown = [m for m in args.models if _norm(m) not in by_norm]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; known: {list(testing.MODEL_SHAPES)}")
+    args.models = [by_norm[_norm(m)] for m in args.models]
+    args.tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    args.gemms = [g.strip() for g in args.gemms.split(",") if g.strip()]
+    if any(g not in ("gemm1", "gemm2") for g in args.gemms):
+        p.error("--gemms: gemm1 and/or gemm2")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+def _time_calls(torch, calls, iters, warmup):
+    """Median time in us of one call, calls = one zero-argument callable per weight set.
+    Returns (us, how) with how 'graph' or 'events' (eager fallback)."""
+    for _ in range(warmup):
+        for call in calls:
+            call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph = None
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for call in calls:
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception:  # not capturable: time eager calls between events
+        graph = None
+        torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            for call in calls:
+                call()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0 / len(calls))
+        if len(samples) >= 5 and sum(samples) > 3e6:  # > 3 s spent: enough samples
+            break
+    how = "graph" if graph is not None else "events"
+    del graph
+    return statistics.median(samples), how
+
+
+def measure_ceilings(torch):
+    """Device copy bandwidth (bytes read + written per second; the best of a memcpy and an
+    elementwise copy kernel, since a captured memcpy node can be slower) and dense fp8 GEMM rate."""
+    n = 1 << 28  # 1 GiB of fp32
+    src = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    best_us = min(_time_calls(torch, [fn], iters=20, warmup=3)[0]
+                  for fn in (lambda: dst.copy_(src), lambda: torch.mul(src, 1.0, out=dst)))
+    copy_tbps = 2 * src.numel() * 4 / (best_us * 1e-6) / 1e12
+    del src, dst
+    size = 8192
+    a = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn).t()  # column-major operand
+    one = torch.ones((), device="cuda")
+    us, _ = _time_calls(torch, [lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                                        use_fast_accum=True)], iters=20, warmup=3)
+    fp8_tflops = 2 * size ** 3 / (us * 1e-6) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return copy_tbps, fp8_tflops
+
+
+# ------------------------------------------------------------------------------------------------
+# data
+# ------------------------------------------------------------------------------------------------
+def _routing(torch, tokens, topk, experts, gen):
+    """top-k distinct experts per token, uniform: the top-k of uniform random keys."""
+    keys = torch.rand((tokens, experts), device="cuda", generator=gen)
+    return torch.topk(keys, topk, dim=1).indices.to(torch.int32).contiguous()
+
+
+def _scale_shape(experts, n, k):
+    return (experts, k // 512, 4 * n) if k % 512 == 0 else (experts, k // 128, n)
+
+
+def _weight_sets(touched_bytes, set_bytes, args, make):
+    """Enough sets that > rotate-mb are touched between two uses of one set, within the cap."""
+    want = max(1, math.ceil(args.rotate_mb * 2 ** 20 / max(touched_bytes, 1)) + 1) if touched_bytes else 1
+    cap = max(1, int(args.max_weight_gb * 2 ** 30 // max(set_bytes, 1)))
+    return [make() for _ in range(min(want, cap))]
+
+
+def _sglang_rows(path):
+    if not path:
+        return {}, None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        return {}, f"peer file {path} not readable ({e})"
+    rows = {}
+    for r in data.get("rows", []):
+        rows[(_norm(r["model"]), int(r["tokens"]))] = r
+    return rows, f"SGLang: {path} ({data.get('device', '?')}, sglang {str(data.get('sglang_commit', '?'))[:7]})"
+
+
+# ------------------------------------------------------------------------------------------------
+# one (model, T, gemm) row
+# ------------------------------------------------------------------------------------------------
+def bench_row(torch, sgl, ops, model, shape, tokens, gemm, meta, args, ceilings, sglang_rows):
+    experts, topk, hidden, inter = shape
+    inter //= args.tp
+    n, k = (2 * inter, hidden) if gemm == "gemm1" else (hidden, inter)
+    counts = meta["counts"]
+    rows = int(sum(counts))
+    hit = int(sum(1 for c in counts if c))
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(args.seed + tokens)
+    row = dict(model=model, E=experts, topk=topk, H=hidden, I=inter, T=tokens, gemm=gemm, N=n, K=k, M=rows,
+               experts_hit=hit)
+    flops = 2.0 * rows * n * k
+    weight_bytes = hit * n * k // 2 + hit * n * (k // 128) * 2
+    bytes_touched = weight_bytes + rows * k + rows * n * 2
+    row.update(bytes=bytes_touched, flops=flops)
+    floor_us = max(bytes_touched / (ceilings["copy_tbps"] * 1e12), flops / (ceilings["fp8_tflops"] * 1e12)) * 1e6
+    row["floor_us"] = floor_us
+    offsets = meta["offsets"]
+    a = torch.randn((rows, k), device="cuda", generator=gen, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+
+    # ---- qmoe -----------------------------------------------------------------------------------
+    if k % 128:
+        row["qmoe_error"] = f"K = {k} is not a multiple of 128 (unsupported by the int4-g128 format)"
+    else:
+        try:
+            row["tactic"] = ops.select_tactic(n, k, rows, experts, topk)
+        except Exception as e:  # informative only
+            row["tactic"] = f"? ({e})"
+        sizes = (meta["ps1"] if gemm == "gemm1" else meta["ps2"])
+        a_scales = torch.full((1,), 1.0 / 448, device="cuda")
+        d = torch.empty((rows, n), device="cuda", dtype=torch.bfloat16)
+        ks = torch.full((experts, 3), k, dtype=torch.int64, device="cuda")
+        ns = torch.full((experts, 3), n, dtype=torch.int64, device="cuda")
+        set_bytes = experts * n * k // 2 + experts * n * (k // 128) * 2
+
+        def make():
+            q = torch.randint(-128, 128, (experts, n, k // 2), dtype=torch.int8, device="cuda", generator=gen)
+            s = (torch.rand(_scale_shape(experts, n, k), device="cuda", generator=gen) * 0.01).to(torch.bfloat16)
+            return q, s
+
+        try:
+            sets = _weight_sets(weight_bytes, set_bytes, args, make)
+            calls = [lambda q=q, s=s: sgl.cutlass_w4a8_moe_mm(d, a, q, a_scales, s, offsets[:-1], sizes, ks, ks, ns,
+                                                               ns, 128, topk) for q, s in sets]
+            calls[0]()
+            torch.cuda.synchronize()
+            row["qmoe_finite"] = bool(torch.isfinite(d).all()) if rows else True
+            us, how = _time_calls(torch, calls, args.iters, args.warmup)
+            row.update(qmoe_us=us, timing=how, weight_sets=len(sets), tbps=bytes_touched / (us * 1e-6) / 1e12,
+                       tflops=flops / (us * 1e-6) / 1e12, floor_fraction=floor_us / us)
+            del sets, calls
+        except Exception as e:
+            row["qmoe_error"] = f"{type(e).__name__}: {e}"
+        del d
+        torch.cuda.empty_cache()
+
+    # ---- torch peers on the same routing --------------------------------------------------------
+    if not args.no_torch_peers and rows:
+        ends = torch.cumsum(torch.tensor(counts, device="cuda", dtype=torch.int64), 0).to(torch.int32)
+        bf16_set_bytes = experts * n * k * 2
+        try:
+            a16 = torch.randn((rows, k), device="cuda", generator=gen, dtype=torch.bfloat16)
+
+            def make16():
+                return torch.randn((experts, n, k), device="cuda", generator=gen, dtype=torch.bfloat16)
+
+            sets = _weight_sets(hit * n * k * 2, bf16_set_bytes, args, make16)
+            calls = [lambda w=w: torch._grouped_mm(a16, w.transpose(-2, -1), offs=ends) for w in sets]
+            row["torch_bf16_us"], _ = _time_calls(torch, calls, args.iters, args.warmup)
+            del sets, calls, a16
+        except Exception as e:
+            row["torch_bf16_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        torch.cuda.empty_cache()
+        try:
+            scale_a = torch.rand((rows,), device="cuda", generator=gen) + 0.5
+
+            def make8():
+                w = torch.randn((experts, n, k), device="cuda", generator=gen, dtype=torch.bfloat16)
+                return w.to(torch.float8_e4m3fn), torch.rand((experts, n), device="cuda", generator=gen) + 0.5
+
+            sets = _weight_sets(hit * n * k, experts * n * k, args, make8)
+            calls = [lambda w=w, sb=sb: torch._scaled_grouped_mm(a, w.transpose(-2, -1), scale_a, sb, offs=ends,
+                                                                 out_dtype=torch.bfloat16, use_fast_accum=True)
+                     for w, sb in sets]
+            row["torch_fp8_us"], _ = _time_calls(torch, calls, args.iters, args.warmup)
+            del sets, calls
+        except Exception as e:
+            row["torch_fp8_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        torch.cuda.empty_cache()
+
+    # ---- SGLang's measured time (peer file) --------------------------------------------------------
+    peer = sglang_rows.get((_norm(model), tokens))
+    if peer is not None and args.tp == 1 and int(peer.get("I", inter)) == inter:
+        row["sglang_us"] = peer.get(f"{gemm}_cold_us")
+        row["sglang_cfg"] = peer.get(f"{gemm}_cfg")
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------
+def _fmt(v, digits=1):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def markdown(rows, header_lines):
+    cols = ["model", "gemm", "T", "M", "hit", "N", "K", "qmoe us", "TB/s", "TFLOP/s", "floor us", "floor/time",
+            "torch bf16 us", "torch fp8 us", "SGLang us", "tactic"]
+    out = list(header_lines) + ["", "| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * 7 + ["--:"] * 8 + ["---"]) + "|"]
+    for r in rows:
+        q = _fmt(r.get("qmoe_us")) if "qmoe_us" in r else ("error" if "qmoe_error" in r else "-")
+        out.append("| " + " | ".join([
+            r["model"], r["gemm"], str(r["T"]), str(r["M"]), str(r["experts_hit"]), str(r["N"]), str(r["K"]), q,
+            _fmt(r.get("tbps"), 2), _fmt(r.get("tflops")), _fmt(r.get("floor_us")), _fmt(r.get("floor_fraction"), 2),
+            _fmt(r.get("torch_bf16_us")) if "torch_bf16_error" not in r else "n/a",
+            _fmt(r.get("torch_fp8_us")) if "torch_fp8_error" not in r else "n/a",
+            _fmt(r.get("sglang_us")), str(r.get("tactic", "-"))]) + " |")
+    labels = {"qmoe_error": "qmoe", "torch_bf16_error": "torch bf16", "torch_fp8_error": "torch fp8"}
+    notes = sorted({f"{r['model']} {r['gemm']} T={r['T']}, {label}: {r[key]}" for r in rows
+                    for key, label in labels.items() if key in r})
+    if notes:
+        out += ["", "Errors / unavailable:"] + [f"- {n}" for n in notes]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("qmoe bench gemm: needs torch with CUDA", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("qmoe bench gemm: no CUDA device", file=sys.stderr)
+        return 2
+    from .. import ops, testing
+    from ..compat import sgl_kernel as sgl
+
+    gpu = torch.cuda.get_device_name()
+    copy_tbps, fp8_tflops = measure_ceilings(torch)
+    ceilings = dict(copy_tbps=copy_tbps, fp8_tflops=fp8_tflops)
+    sglang_rows, peer_note = _sglang_rows(args.peers)
+    header = [f"# qmoe W4A8 grouped GEMM, {gpu}, {datetime.date.today().isoformat()}",
+              "",
+              f"Ceilings measured in this run: device copy {copy_tbps:.2f} TB/s (read + write), dense fp8 "
+              f"torch._scaled_mm 8192^3 {fp8_tflops:.0f} TFLOP/s. floor/time = fraction of the floor reached.",
+              f"Uniform random top-k routing; weights cycled out of L2 (>= {args.rotate_mb:.0f} MB between uses "
+              f"of a set); median of {args.iters} (graph replay, or events). torch peers: bf16 _grouped_mm and "
+              "fp8 rowwise _scaled_grouped_mm (use_fast_accum=True), same routing, same run."]
+    if sglang_rows:
+        header.append(peer_note + "; 'SGLang us' is that file's L2-flushed GPU time (another run).")
+    elif peer_note:
+        header.append(peer_note)
+    print("\n".join(header), flush=True)
+
+    rows = []
+    gen = torch.Generator(device="cuda")
+    for model in args.models:
+        shape = testing.MODEL_SHAPES[model]
+        experts, topk, hidden, inter = shape
+        for tokens in args.tokens:
+            gen.manual_seed(args.seed * 1000003 + tokens)
+            ids = _routing(torch, tokens, topk, experts, gen)
+            slots = ids.numel()
+            offsets = torch.empty(experts + 1, dtype=torch.int32, device="cuda")
+            ps1 = torch.empty((experts, 3), dtype=torch.int32, device="cuda")
+            ps2 = torch.empty_like(ps1)
+            perm_in = torch.empty(slots, dtype=torch.int32, device="cuda")
+            perm_out = torch.empty(slots, dtype=torch.int32, device="cuda")
+            sgl.get_cutlass_w4a8_moe_mm_data(ids, offsets, ps1, ps2, perm_in, perm_out, experts,
+                                             inter // args.tp, hidden)
+            meta = dict(offsets=offsets, ps1=ps1, ps2=ps2, counts=ps1[:, 1].tolist())
+            for gemm in args.gemms:
+                row = bench_row(torch, sgl, ops, model, shape, tokens, gemm, meta, args, ceilings, sglang_rows)
+                rows.append(row)
+                print(f"  {model} {gemm} T={tokens}: qmoe {_fmt(row.get('qmoe_us'))} us "
+                      f"(floor {_fmt(row.get('floor_us'))}), torch bf16 {_fmt(row.get('torch_bf16_us'))}, "
+                      f"fp8 {_fmt(row.get('torch_fp8_us'))}, SGLang {_fmt(row.get('sglang_us'))}"
+                      + (f" [{row['qmoe_error']}]" if "qmoe_error" in row else ""), flush=True)
+
+    table = markdown(rows, header)
+    print()
+    print(table)
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"{datetime.date.today().isoformat()}_{_norm(gpu)}_gemm")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(device=gpu, torch=torch.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                       ceilings=ceilings, args={k: v for k, v in vars(args).items()}, peers=peer_note, rows=rows),
+                  f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(table + "\n")
+    print(f"\nwrote {stem}.json and {stem}.md")
+    failed = [r for r in rows if "qmoe_error" in r and r["K"] % 128 == 0]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
