@@ -1,6 +1,8 @@
-// MoE activations on fp32 scalars (DESIGN.md section 4), shared by the CPU reference and, later,
-// the CUDA epilogues (QMOE_HD). g = gate half, u = up half of GEMM1's output, both after alpha1.
-// Products are evaluated left to right exactly as written below, so a twin (numpy) can mirror them:
+// MoE activations (DESIGN.md section 4), shared by the CPU reference and, later, the CUDA epilogues
+// (QMOE_HD). g = gate half, u = up half of GEMM1's output, both after alpha1. Templates on the
+// arithmetic type: kernels use float; the CPU reference evaluates in double and rounds the result
+// once to fp32, as the numpy twin (python/qmoe/reference.py) does, so the two agree to the bit in
+// practice. Products are evaluated left to right exactly as written:
 //
 //   sigmoid(x)            = 1 / (1 + exp(-x))
 //   swiglu(g, u; a, b, L) = g' * sigmoid(a * g') * (u' + b),  g' = min(g, L), u' = clamp(u, -L, L)
@@ -9,7 +11,7 @@
 //   relu2(a)              = max(a, 0) * max(a, 0)            (not gated: one input)
 //   situ(g, u; b, lb)     = b * tanh(g / b) * sigmoid(g) * u',  u' = lb * tanh(u / lb) if lb given else u
 //
-// Clamps are written as comparisons, not fminf/fmaxf, so a NaN input stays NaN (DESIGN.md 3b:
+// Clamps are written as comparisons, not fmin/fmax, so a NaN input stays NaN (DESIGN.md 3b:
 // a NaN is never hidden).
 #pragma once
 
@@ -19,27 +21,40 @@
 
 namespace qmoe::activation {
 
-QMOE_HD float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// exp / tanh overloads that resolve to the float or double device builtins under nvcc.
+QMOE_HD float exp_of(float x) { return expf(x); }
+QMOE_HD double exp_of(double x) { return exp(x); }
+QMOE_HD float tanh_of(float x) { return tanhf(x); }
+QMOE_HD double tanh_of(double x) { return tanh(x); }
 
-QMOE_HD float swiglu(float g, float u, float alpha, float beta, float limit) {
-  const float gc = g > limit ? limit : g;                              // upper clamp only
-  const float uc = u > limit ? limit : (u < -limit ? -limit : u);      // both sides
+template <class T>
+QMOE_HD T sigmoid(T x) {
+  return T(1) / (T(1) + exp_of(-x));
+}
+
+template <class T>
+QMOE_HD T swiglu(T g, T u, T alpha, T beta, T limit) {
+  const T gc = g > limit ? limit : g;                          // upper clamp only
+  const T uc = u > limit ? limit : (u < -limit ? -limit : u);  // both sides
   return gc * sigmoid(alpha * gc) * (uc + beta);
 }
 
-QMOE_HD float geglu_tanh(float g, float u) {
-  return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) * u;
+template <class T>
+QMOE_HD T geglu_tanh(T g, T u) {
+  return T(0.5) * g * (T(1) + tanh_of(T(0.7978845608) * (g + T(0.044715) * g * g * g))) * u;
 }
 
-QMOE_HD float relu2(float a) {
-  const float r = a < 0.0f ? 0.0f : a;  // NaN fails the comparison and passes through
+template <class T>
+QMOE_HD T relu2(T a) {
+  const T r = a < T(0) ? T(0) : a;  // NaN fails the comparison and passes through
   return r * r;
 }
 
 // has_linear_beta selects u' = linear_beta * tanh(u / linear_beta); otherwise u' = u.
-QMOE_HD float situ(float g, float u, float beta, bool has_linear_beta, float linear_beta) {
-  const float up = has_linear_beta ? linear_beta * tanhf(u / linear_beta) : u;
-  return beta * tanhf(g / beta) * sigmoid(g) * up;
+template <class T>
+QMOE_HD T situ(T g, T u, T beta, bool has_linear_beta, T linear_beta) {
+  const T up = has_linear_beta ? linear_beta * tanh_of(u / linear_beta) : u;
+  return beta * tanh_of(g / beta) * sigmoid(g) * up;
 }
 
 }  // namespace qmoe::activation
