@@ -109,8 +109,11 @@ def cute_dsl_fused_moe(x, x_sf, token_selected_experts, token_final_scales, w1_w
         w2_weight, _weight_sf(w2_weight_sf, "w2_weight_sf"), quant_mode=mode, num_experts=num_experts,
         x_scale=x_sf, w1_alpha=w1_alpha, w2_alpha=w2_alpha, fc2_input_scale=fc2_input_scale,
         per_token_scale=per_token_scale, num_local_experts=num_local_experts,
-        local_expert_offset=local_expert_offset, activation=activation, swiglu_alpha=swiglu_alpha,
-        swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit,
+        local_expert_offset=local_expert_offset, activation=activation,
+        # FlashInfer ignores the swiglu parameters on the other activations; qmoe's native API
+        # rejects them there, so they are passed only with SwiGLU.
+        **(dict(swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit)
+           if activation == "swiglu" else {}),
         situ_beta=1.0 if situ_beta is None else situ_beta, situ_linear_beta=situ_linear_beta,
         gate_up_layout=layout, deterministic=not use_fused_finalize, output_dtype=output_dtype, out=moe_output,
         tactic=None if tactic is None else str(tactic))
