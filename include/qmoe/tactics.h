@@ -19,12 +19,12 @@ struct GemmProblem {
 struct Tactic {
   enum class Family { kDecode, kPrefill };
   Family family = Family::kDecode;
-  int tile_m = 64;   // weight rows per CTA tile
-  int tile_n = 16;   // token rows per CTA tile
-  int tile_k = 128;
-  int split_k = 1;
+  int tile_m = 128;  // weight rows (output features) per CTA tile: the MMA M side (swap-AB)
+  int tile_n = 16;   // token rows per CTA tile: the MMA N side
+  int tile_k = 256;  // K per pipeline stage (a multiple of the 128-wide scale group)
+  int split_k = 1;   // no compiled tactic splits K yet
 
-  std::string name() const;  // e.g. "decode_m64_n16_k128"
+  std::string name() const;  // e.g. "decode_m128_n16_k256"
   bool operator==(const Tactic& o) const {
     return family == o.family && tile_m == o.tile_m && tile_n == o.tile_n && tile_k == o.tile_k &&
            split_k == o.split_k;

@@ -1,0 +1,111 @@
+// Host launcher of the W4A8 grouped GEMM (cutlass_w4a8_moe_mm semantics, DESIGN.md 3.1):
+//
+//   D[r, o] = bf16( a_scale(r) * sum_g S[e, o, g] * (sum_{k in group g} A[r, k] * q[e, o, k]) )
+//
+// Kernel: sm90_grouped_gemm_w4a8_int4.cuh (swap-AB mma.sync e4m3, int4 -> e4m3 in registers,
+// one K group of 128 per pipeline stage, persistent CTAs over a device-side work list).
+// This file maps a Tactic (src/tune/tactics.cpp) to one of the instantiations listed below, sizes
+// the persistent grid and launches. Arguments are validated by the caller
+// (qmoe::validate_w4a8_moe_mm); no allocation, no host sync: CUDA-graph capturable.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"
+#include "cuda/launch.h"
+#include "qmoe/error.h"
+
+namespace qmoe::cuda {
+
+namespace {
+
+using w4a8::Config;
+using w4a8::sm90_grouped_gemm_w4a8_int4_kernel;
+
+// Occupancy and SM count per device, queried once per instantiation (cheap host calls, legal while
+// a stream is being captured).
+constexpr int kMaxDevices = 64;
+
+template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
+void launch(const W4A8GemmParams& params, int64_t rows, int device, cudaStream_t stream) {
+  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
+  auto kernel = sm90_grouped_gemm_w4a8_int4_kernel<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>;
+  static int slots[kMaxDevices] = {};  // CTAs that fit on the device at once, 0 = not queried
+  check_arg(device >= 0 && device < kMaxDevices, "a", "a CUDA device index below 64", std::to_string(device));
+  if (slots[device] == 0) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
+               "cudaFuncSetAttribute(w4a8 grouped gemm)");
+    int sms = 0, per_sm = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, Cfg::kSmemBytes),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(w4a8 grouped gemm)");
+    slots[device] = sms * (per_sm > 0 ? per_sm : 1);
+  }
+  // Upper bound of the tiles (the real count is only known on the device): every expert may add
+  // one partial token tile.
+  const int64_t n_tiles = (params.n + Cfg::kTileM - 1) / Cfg::kTileM;
+  const int64_t max_tiles = (rows / Cfg::kTileN + params.num_experts) * n_tiles;
+  const int64_t grid = max_tiles < slots[device] ? (max_tiles > 0 ? max_tiles : 1) : slots[device];
+  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
+  check_cuda(cudaGetLastError(), "launch of sm90_grouped_gemm_w4a8_int4");
+}
+
+}  // namespace
+
+void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream) {
+  W4A8GemmParams params;
+  params.a = args.a.ptr<const uint8_t>();
+  params.b = args.b.ptr<const uint8_t>();
+  params.b_scales = args.b_scales.ptr<const __nv_bfloat16>();
+  params.a_scales = args.a_scales.ptr<const float>();
+  params.d = args.d.ptr<__nv_bfloat16>();
+  params.expert_offsets = args.expert_offsets.ptr<const int32_t>();
+  params.problem_sizes = args.problem_sizes.ptr<const int32_t>();
+  params.num_experts = static_cast<int>(args.expert_offsets.size(0));
+  params.n = static_cast<int>(args.d.size(1));
+  params.k = static_cast<int>(args.a.size(1));
+  const int64_t rows = args.a.size(0);
+  params.a_scales_per_row = args.a_scales.numel() > 1 ? 1 : 0;
+  params.scales_packed4 = params.k % 512 == 0 ? 1 : 0;
+  // 16-byte copies need 16-byte aligned bases (row strides are multiples of 16 by the limits).
+  for (const auto& [t, name] : {std::pair<const TensorRef*, const char*>{&args.a, "a"}, {&args.b, "b"},
+                                {&args.b_scales, "b_scales"}, {&args.d, "d"}}) {
+    check_arg(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, name, "a 16-byte aligned data pointer",
+              "an address that is not 16-byte aligned");
+  }
+  const int device = args.a.device_index;
+  if (rows == 0) return;  // no rows: nothing to read or write
+
+  using Family = Tactic::Family;
+  auto is = [&](Family f, int m, int n, int k) {
+    return tactic.family == f && tactic.tile_m == m && tactic.tile_n == n && tactic.tile_k == k &&
+           tactic.split_k == 1;
+  };
+  // NOTE: the instantiation list. Keep it in step with compiled() in src/tune/tactics.cpp.
+  // Template arguments: warps along weight rows, warps along tokens, 16-row fragments per warp,
+  // 8-token fragments per warp, K groups (of 128) per pipeline stage, stages, CTAs per SM.
+  // Measured on H200 (bench/results/2026-11-30_h200_w4a8_gemm_dev.md): decode is bound by the
+  // MMA issue of the 8/16-column fragments (each weight fragment also pays one bias MMA per token
+  // fragment), so two 16-row fragments per warp (32 rows) beat one; 4 warps = 128 rows.
+  //   decode n8/n16: 2 groups per stage (128 contiguous bytes of each weight row), 4 stages,
+  //                  2 CTAs per SM: ~100 KB of weights in flight per SM.
+  //   decode n32   : 64 rows x 32 tokens, 4 groups per stage, 3 stages (not chosen by the
+  //                  heuristic: measured slower than n16 or prefill; kept for forcing/tuning).
+  //   prefill n64  : 2 x 2 warps of 64 rows x 32 tokens (converted weights serve 32 columns),
+  //                  2 groups per stage, 3 stages, 2 CTAs per SM.
+  if (is(Family::kDecode, 128, 8, 256)) {
+    launch<4, 1, 2, 1, 2, 4, 2>(params, rows, device, stream);
+  } else if (is(Family::kDecode, 128, 16, 256)) {
+    launch<4, 1, 2, 2, 2, 4, 2>(params, rows, device, stream);
+  } else if (is(Family::kDecode, 64, 32, 512)) {
+    launch<4, 1, 1, 4, 4, 3, 2>(params, rows, device, stream);
+  } else if (is(Family::kPrefill, 128, 64, 256)) {
+    launch<2, 2, 4, 4, 2, 3, 2>(params, rows, device, stream);
+  } else {
+    throw Error("tactic", "a tactic compiled into this build (see valid_tactics)", tactic.name());
+  }
+}
+
+}  // namespace qmoe::cuda

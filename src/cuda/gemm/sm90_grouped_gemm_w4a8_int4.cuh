@@ -1,0 +1,439 @@
+// Device code of the W4A8 grouped GEMM (int4-g128 weights x e4m3 activations -> bf16), SGLang's
+// cutlass_w4a8_moe_mm semantics (DESIGN.md 3.1):
+//
+//   D[r, o] = bf16( a_scale(r) * sum_g S[e, o, g] * (sum_{k in group g} A[r, k] * q[e, o, k]) )
+//
+// with a fresh fp32 partial sum per 128-wide K group (one mma.sync chain), promoted into the fp32
+// accumulator by one FMA with the bf16 group scale, g increasing; a_scale(r) = a_scales[0] or
+// a_scales[r].
+//
+// Layouts: A e4m3 [R, K] row-major; B int4x2 [E, N, K/2] (even k in the low nibble); scales bf16
+// [E, K/512, 4N] (entry [e, kb, 4n + j] = S[e, n, 4kb + j]) when K % 512 == 0, else [E, K/128, N];
+// D bf16 [R, N]. Expert e owns rows [expert_offsets[e], + problem_sizes[e][1]); both tensors are
+// read on the device (no host sync). Limits: K % 128 == 0, N % 8 == 0, E <= 1024, 16-byte aligned
+// base pointers.
+//
+// Structure (swap-AB): the MMA (mma.sync m16n8k32 e4m3, fp32 accumulate) M side holds weight
+// rows (output features), the N side tokens, so a decode tile of 8 tokens wastes no weight bytes.
+// Persistent CTAs walk the flattened work list (expert, feature tile, token tile), whose prefix
+// sums every CTA computes in shared memory from problem_sizes, so empty experts produce no work.
+// A pipeline stage holds GPS K groups (128 each): 16-byte cp.async copies of the weight tile
+// (TILE_M x 64*GPS bytes), the activation tile (TILE_N x 128*GPS bytes) and the scale tile, XOR
+// swizzled by 16-byte chunk against bank conflicts. The load cursor runs STAGES-1 stages ahead
+// across tile boundaries, so a new tile does not refill the pipeline from empty. Token rows past
+// an expert's end and feature rows past N are zero-filled (never read) and never stored.
+//
+// K order inside a group: thread `tig` (lane % 4) of every MMA owns K [32*tig, 32*tig + 32) of
+// the group, i.e. one 16-byte word of the weight row and 32 bytes of each activation row; MMA step
+// j (of 4) uses 8 of them, split into even and odd K on both operands alike, so the products pair
+// up correctly whatever the hardware order of K slots is.
+// Weights enter the MMA as biased subnormal codes (q + 8) * 2^-9 (src/cuda/common/int4_to_e4m3.cuh:
+// 3 instructions per 8 weights instead of 11 for a 16-entry table); one extra MMA per token
+// fragment with weights -8 * 2^-9 (the same for all rows) cancels the bias, and the group scale
+// absorbs 2^9. Every product is exact; the two fp32 sums round as fp32 sums do, and their
+// difference can lose a few bits against sum A*q when the activations have a large mean (far inside
+// the 1e-2 tolerance; bit-identical to the CPU reference on the random test data).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/common/int4_to_e4m3.cuh"
+
+namespace qmoe::cuda {
+
+struct W4A8GemmParams {
+  const uint8_t* a;               // e4m3 [R, K]
+  const uint8_t* b;               // int4x2 [E, N, K/2]
+  const __nv_bfloat16* b_scales;  // see layouts above
+  const float* a_scales;          // [1] or [R]
+  __nv_bfloat16* d;               // [R, N]
+  const int32_t* expert_offsets;  // [E]
+  const int32_t* problem_sizes;   // [E, 3] (N, M_e, K)
+  int num_experts;
+  int n;
+  int k;
+  int a_scales_per_row;  // 1: a_scales[r], 0: a_scales[0]
+  int scales_packed4;    // 1: [E, K/512, 4N], 0: [E, K/128, N]
+};
+
+namespace w4a8 {
+
+constexpr int kGroup = 128;           // K per quantization group = K per pipeline stage
+constexpr int kGroupBytesB = kGroup / 2;  // bytes of one weight row per group
+constexpr int kMaxExperts = 1024;
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int bytes = valid ? 16 : 0;  // 0: zero-fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Where one work item (tile) lives.
+struct TileInfo {
+  int expert;
+  int n0;    // first output feature
+  int row0;  // first row of A / D
+  int rows;  // valid rows in this token tile (1..TILE_N)
+};
+
+template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES>
+struct Config {
+  static constexpr int kThreads = WARPS_M * WARPS_N * 32;
+  static constexpr int kTileM = WARPS_M * MF * 16;  // weight rows (output features)
+  static constexpr int kTileN = WARPS_N * NF * 8;   // tokens
+  static constexpr int kTileK = GPS * kGroup;       // K per pipeline stage
+  static constexpr int kRowBytesB = GPS * kGroupBytesB;  // bytes of one weight row per stage
+  static constexpr int kStageB = kTileM * kRowBytesB;
+  static constexpr int kStageA = kTileN * kTileK;
+  // Scales per stage: packed-4 keeps one 8-byte block (4 groups) per row and 512-K block, packed-1
+  // GPS slices of TILE_M bf16.
+  static constexpr int kScaleBlocks = GPS >= 4 ? GPS / 4 : 1;
+  static constexpr int kStageS =
+      kScaleBlocks * kTileM * 8 > GPS * kTileM * 2 ? kScaleBlocks * kTileM * 8 : GPS * kTileM * 2;
+  static constexpr int kStageBytes = kStageB + kStageA + kStageS;
+  static constexpr int kTileStartBytes = ((kMaxExperts + 1) * 4 + 127) / 128 * 128;  // keeps stages aligned
+  static constexpr int kSmemBytes = kTileStartBytes + STAGES * kStageBytes;
+  static constexpr int kExpertsPerThread = kMaxExperts / kThreads;
+  static_assert(kMaxExperts % kThreads == 0 && kThreads <= 1024, "the prologue scan covers 1024 experts");
+  static_assert(GPS == 1 || GPS == 2 || GPS == 4 || GPS == 8, "stages cover whole packed-4 scale blocks or lie in one");
+  static_assert(kScaleBlocks * kTileM / 2 <= kThreads && GPS * kTileM / 8 <= kThreads, "one scale copy per thread");
+  static_assert(STAGES >= 2, "a pipeline needs two stages");
+  static_assert(kStageB % 128 == 0 && kStageA % 128 == 0 && kStageS % 128 == 0, "stages keep 128-byte alignment");
+};
+
+// 16-byte chunk swizzles (XOR), chosen so that the 8 lanes of a quarter warp (2 rows x 4 `tig`)
+// read 8 different bank groups: activation rows are >= 128 bytes, weight rows are 64 * GPS bytes.
+__device__ __forceinline__ int swizzle_a(int chunk, int row) { return chunk ^ (row & 7); }
+template <int GPS>
+__device__ __forceinline__ int swizzle_b(int chunk, int row) {
+  return GPS >= 2 ? chunk ^ ((row & 1) << 2) : chunk;
+}
+
+template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
+__global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
+    sm90_grouped_gemm_w4a8_int4_kernel(const W4A8GemmParams p) {
+  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
+  constexpr int kTileM = Cfg::kTileM;
+  constexpr int kTileN = Cfg::kTileN;
+  constexpr int kThreads = Cfg::kThreads;
+  constexpr int kRowBytesB = Cfg::kRowBytesB;
+  constexpr int kTileK = Cfg::kTileK;
+  constexpr int kPer = Cfg::kExpertsPerThread;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  int32_t* tile_start = reinterpret_cast<int32_t*>(smem);  // [E + 1] exclusive prefix of tiles
+  uint8_t* stages = smem + Cfg::kTileStartBytes;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int E = p.num_experts;
+  const int n_tiles = (p.n + kTileM - 1) / kTileM;
+  const int groups = p.k / kGroup;
+  const int stages_per_tile = (groups + GPS - 1) / GPS;
+
+  // ---- Work list: tiles of expert e = ceil(M_e / TILE_N) * n_tiles, exclusive prefix in smem.
+  {
+    int count[kPer];
+    int local = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = tid * kPer + i;
+      int m = e < E ? p.problem_sizes[3 * e + 1] : 0;
+      m = m > 0 ? m : 0;
+      count[i] = ((m + kTileN - 1) / kTileN) * n_tiles;
+      local += count[i];
+    }
+    // Block exclusive scan of `local` (warp shuffles, then the warp totals).
+    int incl = local;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += v;
+    }
+    __shared__ int warp_total[kThreads / 32];
+    if (lane == 31) warp_total[warp] = incl;
+    __syncthreads();
+    int base = 0;
+    for (int w = 0; w < warp; ++w) base += warp_total[w];
+    int run = base + incl - local;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = tid * kPer + i;
+      if (e < E) tile_start[e] = run;
+      run += count[i];
+    }
+    if (tid == kThreads - 1) tile_start[E] = run;  // the last thread's running sum is the total
+    __syncthreads();
+  }
+  const int total_tiles = tile_start[E];
+  if (static_cast<int>(blockIdx.x) >= total_tiles) return;
+  const int my_tiles = (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
+  const int total_iters = my_tiles * stages_per_tile;
+
+  auto tile_info = [&](int tile_iter) {
+    const int tile = blockIdx.x + tile_iter * gridDim.x;
+    int lo = 0, hi = E - 1;  // last e with tile_start[e] <= tile (empty experts share starts)
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    TileInfo t;
+    t.expert = lo;
+    const int local = tile - tile_start[lo];
+    const int m = p.problem_sizes[3 * lo + 1];
+    const int token_tiles = (m + kTileN - 1) / kTileN;
+    // Token tiles of one feature tile are consecutive: CTAs running together share weights in L2.
+    const int ntile = local / token_tiles;
+    const int ttile = local - ntile * token_tiles;
+    t.n0 = ntile * kTileM;
+    t.row0 = p.expert_offsets[lo] + ttile * kTileN;
+    t.rows = min(kTileN, m - ttile * kTileN);
+    return t;
+  };
+
+  const int64_t row_bytes_b = p.k / 2;
+  const int groups_per_kb = p.k / 512;  // packed-4 scale blocks
+
+  // ---- Producer. Each thread copies fixed (row, 16-byte chunk) slots of every stage; the global
+  // addresses are set up once per tile so a stage costs a few instructions per copy.
+  constexpr int kChunksB = GPS * 4;  // 16-byte chunks of one weight row per stage
+  constexpr int kRowsPerPassB = kThreads / kChunksB;
+  constexpr int kPassesB = kTileM / kRowsPerPassB;
+  constexpr int kChunksA = GPS * 8;  // 16-byte chunks of one activation row per stage
+  constexpr int kRowsPerPassA = kThreads / kChunksA;
+  constexpr int kPassesA = (kTileN + kRowsPerPassA - 1) / kRowsPerPassA;
+  static_assert(kThreads % kChunksB == 0 && kTileM % kRowsPerPassB == 0, "weight copies tile the stage");
+  static_assert(kThreads % kChunksA == 0 && kPassesB <= 32 && kPassesA <= 32, "copy masks are 32-bit");
+  const int b_row = tid / kChunksB, b_chunk = tid % kChunksB;
+  const int a_row = tid / kChunksA, a_chunk = tid % kChunksA;
+  const int64_t b_pass_stride = kRowsPerPassB * row_bytes_b;
+  const int64_t a_pass_stride = static_cast<int64_t>(kRowsPerPassA) * p.k;
+
+  const uint8_t* b_src = p.b;  // row n0 + b_row, chunk b_chunk, group 0 of the current load tile
+  const uint8_t* a_src = p.a;  // row row0 + a_row, chunk a_chunk, group 0
+  const __nv_bfloat16* s_src = p.b_scales;
+  uint32_t b_valid = 0, a_valid = 0;  // bit i: pass i copies a real row
+  bool s_valid = false;
+  auto issue_loads = [&](int it, int stage) {
+    const int s = it % stages_per_tile;
+    if (s == 0) {
+      const TileInfo t = tile_info(it / stages_per_tile);
+      b_src = p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + b_row) * row_bytes_b + b_chunk * 16;
+      a_src = p.a + static_cast<int64_t>(t.row0 + a_row) * p.k + a_chunk * 16;
+      b_valid = a_valid = 0;
+#pragma unroll
+      for (int i = 0; i < kPassesB; ++i) b_valid |= (t.n0 + b_row + i * kRowsPerPassB < p.n ? 1u : 0u) << i;
+#pragma unroll
+      for (int i = 0; i < kPassesA; ++i) a_valid |= (a_row + i * kRowsPerPassA < t.rows ? 1u : 0u) << i;
+      if (p.scales_packed4) {
+        // 8 bytes (the 4 groups of a 512 block) per feature row: one 16-byte copy = 2 rows of
+        // block `bi` of the stage.
+        const int bi = tid / (kTileM / 2), c = tid % (kTileM / 2);
+        s_valid = tid < Cfg::kScaleBlocks * kTileM / 2 && t.n0 + 2 * c < p.n;
+        s_src = p.b_scales + (static_cast<int64_t>(t.expert) * groups_per_kb + bi) * 4 * p.n + 4 * (t.n0 + 2 * c);
+      } else {
+        // GPS slices of TILE_M scales (one per group): one 16-byte copy = 8 rows of one group.
+        const int gg = tid / (kTileM / 8), c = tid % (kTileM / 8);
+        s_valid = tid < GPS * kTileM / 8 && t.n0 + 8 * c < p.n;
+        s_src = p.b_scales + (static_cast<int64_t>(t.expert) * groups + gg) * p.n + t.n0 + 8 * c;
+      }
+    }
+    const int g0 = s * GPS;
+    const int valid_groups = min(GPS, groups - g0);
+    uint8_t* sb = stages + stage * Cfg::kStageBytes;
+    uint8_t* sa = sb + Cfg::kStageB;
+    uint8_t* ss = sa + Cfg::kStageA;
+    const bool b_chunk_ok = b_chunk < valid_groups * 4;  // K tail of the last stage
+    const bool a_chunk_ok = a_chunk < valid_groups * 8;
+#pragma unroll
+    for (int i = 0; i < kPassesB; ++i) {
+      const int r = b_row + i * kRowsPerPassB;
+      const bool valid = b_chunk_ok && ((b_valid >> i) & 1u);
+      const uint8_t* src = valid ? b_src + i * b_pass_stride + g0 * kGroupBytesB : p.b;
+      cp_async_16(sb + r * kRowBytesB + (swizzle_b<GPS>(b_chunk, r) << 4), src, valid);
+    }
+#pragma unroll
+    for (int i = 0; i < kPassesA; ++i) {
+      const int r = a_row + i * kRowsPerPassA;
+      if (kPassesA * kRowsPerPassA > kTileN && r >= kTileN) break;
+      const bool valid = a_chunk_ok && ((a_valid >> i) & 1u);
+      const uint8_t* src = valid ? a_src + i * a_pass_stride + g0 * kGroup : p.a;
+      cp_async_16(sa + r * kTileK + (swizzle_a(a_chunk, r) << 4), src, valid);
+    }
+    if (p.scales_packed4) {
+      if (tid < Cfg::kScaleBlocks * kTileM / 2) {
+        const bool valid = s_valid && (tid / (kTileM / 2)) * 4 < valid_groups;
+        const __nv_bfloat16* src = valid ? s_src + static_cast<int64_t>(g0 / 4) * 4 * p.n : p.b_scales;
+        cp_async_16(ss + tid * 16, src, valid);
+      }
+    } else if (tid < GPS * kTileM / 8) {
+      const bool valid = s_valid && tid / (kTileM / 8) < valid_groups;
+      const __nv_bfloat16* src = valid ? s_src + static_cast<int64_t>(g0) * p.n : p.b_scales;
+      cp_async_16(ss + tid * 16, src, valid);
+    }
+  };
+
+  // ---- Consumer state.
+  const int warp_m = warp % WARPS_M;
+  const int warp_n = warp / WARPS_M;
+  const int gid = lane >> 2;  // MMA groupID: weight row (and row + 8), token column
+  const int tig = lane & 3;   // MMA thread-in-group: owns K [32 tig, 32 tig + 32) of a group
+  float acc[MF][NF][4];
+#pragma unroll
+  for (int i = 0; i < MF; ++i)
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < total_iters) issue_loads(s, s);
+    cp_async_commit();
+  }
+
+  for (int it = 0; it < total_iters; ++it) {
+    cp_async_wait<STAGES - 2>();
+    // NOTE: this barrier both publishes stage `it` and retires stage `it - 1`, which the copy
+    // issued just below overwrites.
+    __syncthreads();
+    {
+      const int next = it + STAGES - 1;
+      if (next < total_iters) issue_loads(next, next % STAGES);
+      cp_async_commit();
+    }
+    const int s = it % stages_per_tile;
+    const uint8_t* sb = stages + (it % STAGES) * Cfg::kStageBytes;
+    const uint8_t* sa = sb + Cfg::kStageB;
+    const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(sa + Cfg::kStageA);
+
+#pragma unroll
+    for (int gg = 0; gg < GPS; ++gg) {
+      const int g = s * GPS + gg;
+      if (GPS > 1 && g >= groups) break;  // K tail of the last stage (uniform branch)
+      // Weights: one 16-byte word (32 int4) of rows gid and gid + 8 of every M fragment.
+      uint4 w[MF][2];
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        const int r = (warp_m * MF + mf) * 16 + gid;
+        w[mf][0] = *reinterpret_cast<const uint4*>(sb + r * kRowBytesB + (swizzle_b<GPS>(gg * 4 + tig, r) << 4));
+        w[mf][1] = *reinterpret_cast<const uint4*>(sb + (r + 8) * kRowBytesB +
+                                                   (swizzle_b<GPS>(gg * 4 + tig, r + 8) << 4));
+      }
+      // part: sum A * (q + 8) * 2^-9 per weight row; bias: sum A * (-8) * 2^-9 (same for all rows).
+      float part[MF][NF][4];
+      float bias[NF][4];
+#pragma unroll
+      for (int j = 0; j < NF; ++j) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) bias[j][c] = 0.f;
+#pragma unroll
+        for (int i = 0; i < MF; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
+      }
+
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        // Activations: 16 bytes (K steps 2*half, 2*half + 1) of token column gid of each N fragment.
+        uint4 x[NF];
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf) {
+          const int t = (warp_n * NF + nf) * 8 + gid;
+          x[nf] = *reinterpret_cast<const uint4*>(sa + t * kTileK + (swizzle_a(gg * 8 + tig * 2 + half, t) << 4));
+        }
+#pragma unroll
+        for (int step = 0; step < 2; ++step) {
+          const int j = half * 2 + step;
+          uint32_t b0[NF], b1[NF];
+#pragma unroll
+          for (int nf = 0; nf < NF; ++nf) {
+            const uint32_t lo = step == 0 ? x[nf].x : x[nf].z;  // K 8j + 0..3
+            const uint32_t hi = step == 0 ? x[nf].y : x[nf].w;  // K 8j + 4..7
+            e4m3x8_split_even_odd(lo, hi, b0[nf], b1[nf]);
+            mma_e4m3(bias[nf], kE4m3MinusEightSub, kE4m3MinusEightSub, kE4m3MinusEightSub, kE4m3MinusEightSub,
+                     b0[nf], b1[nf]);
+          }
+#pragma unroll
+          for (int mf = 0; mf < MF; ++mf) {
+            const uint32_t wr0 = j == 0 ? w[mf][0].x : j == 1 ? w[mf][0].y : j == 2 ? w[mf][0].z : w[mf][0].w;
+            const uint32_t wr1 = j == 0 ? w[mf][1].x : j == 1 ? w[mf][1].y : j == 2 ? w[mf][1].z : w[mf][1].w;
+            uint32_t a0, a1, a2, a3;
+            int4x8_to_biased_e4m3x8(wr0, a0, a2);  // row gid: even K -> a0, odd K -> a2
+            int4x8_to_biased_e4m3x8(wr1, a1, a3);  // row gid + 8
+#pragma unroll
+            for (int nf = 0; nf < NF; ++nf) mma_e4m3(part[mf][nf], a0, a1, a2, a3, b0[nf], b1[nf]);
+          }
+        }
+      }
+      // Group promotion: acc += S[row, g] * P, P = 2^9 * (part + bias) (fp32, g increasing).
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        const int r = (warp_m * MF + mf) * 16 + gid;
+        const int s0 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + r * 4 + (g & 3) : gg * kTileM + r;
+        const int s1 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + (r + 8) * 4 + (g & 3) : gg * kTileM + r + 8;
+        const float scale0 = __bfloat162float(ss[s0]) * kBiasedUnit;
+        const float scale1 = __bfloat162float(ss[s1]) * kBiasedUnit;
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf) {
+          acc[mf][nf][0] = fmaf(scale0, part[mf][nf][0] + bias[nf][0], acc[mf][nf][0]);
+          acc[mf][nf][1] = fmaf(scale0, part[mf][nf][1] + bias[nf][1], acc[mf][nf][1]);
+          acc[mf][nf][2] = fmaf(scale1, part[mf][nf][2] + bias[nf][2], acc[mf][nf][2]);
+          acc[mf][nf][3] = fmaf(scale1, part[mf][nf][3] + bias[nf][3], acc[mf][nf][3]);
+        }
+      }
+    }
+
+    if (s == stages_per_tile - 1) {
+      // ---- Epilogue: D[row, n] = bf16(a_scale(row) * acc). Lanes gid, gid^1 swap values so that
+      // each stores two adjacent features of one token (4-byte stores).
+      const TileInfo t = tile_info(it / stages_per_tile);
+      const bool even = (gid & 1) == 0;
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // h = 1: rows gid + 8
+            const float v0 = acc[mf][nf][2 * h], v1 = acc[mf][nf][2 * h + 1];
+            const float recv = __shfl_xor_sync(0xffffffffu, even ? v1 : v0, 4);
+            const float lo = even ? v0 : recv;
+            const float hi = even ? recv : v1;
+            const int token = (warp_n * NF + nf) * 8 + tig * 2 + (even ? 0 : 1);
+            const int n = t.n0 + (warp_m * MF + mf) * 16 + h * 8 + (gid & ~1);
+            if (token < t.rows && n < p.n) {
+              const int row = t.row0 + token;
+              const float as = p.a_scales[p.a_scales_per_row ? row : 0];
+              __nv_bfloat162 out;
+              out.x = __float2bfloat16_rn(as * lo);
+              out.y = __float2bfloat16_rn(as * hi);
+              *reinterpret_cast<__nv_bfloat162*>(p.d + static_cast<int64_t>(row) * p.n + n) = out;
+            }
+          }
+          acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.f;
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace w4a8
+}  // namespace qmoe::cuda

@@ -1,0 +1,113 @@
+// Tactics of the W4A8 grouped GEMM (sm90_grouped_gemm_w4a8_int4): the compiled list, the
+// heuristic choice, names and parsing.
+//
+// Two families share one kernel template (src/cuda/gemm/sm90_grouped_gemm_w4a8_int4.cu), both
+// swap-AB (weight rows on the MMA M side, tokens on the N side):
+//   decode  : 128 (or 64) weight rows x 8/16/32 tokens per CTA tile; made to stream weights, so the
+//             token tile is as small as the rows of an expert allow (a 16-token tile for 1 token
+//             wastes no bytes, only MMA slots).
+//   prefill : 128 weight rows x 64 tokens; tensor-core bound (mma.sync), each converted weight
+//             fragment serves 32 token columns.
+// Names: {family}_m{weight rows}_n{tokens}_k{K per pipeline stage}.
+// The per-expert row count lives on the device only, so the host estimates it as
+// ceil(total_rows / num_experts) (total_rows = tokens * topk for SGLang's layout).
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include "qmoe/error.h"
+#include "qmoe/tactics.h"
+
+namespace qmoe {
+
+namespace {
+
+using Family = Tactic::Family;
+
+// tile_k: K per pipeline stage (decode: 4 groups, so each weight row is read in 256-byte runs).
+Tactic make(Family family, int tile_m, int tile_n, int tile_k) {
+  Tactic t;
+  t.family = family;
+  t.tile_m = tile_m;
+  t.tile_n = tile_n;
+  t.tile_k = tile_k;
+  t.split_k = 1;
+  return t;
+}
+
+// NOTE: this list must match the instantiations in sm90_grouped_gemm_w4a8_int4.cu one for one.
+const std::vector<Tactic>& compiled() {
+  static const std::vector<Tactic> list = {
+      make(Family::kDecode, 128, 8, 256), make(Family::kDecode, 128, 16, 256), make(Family::kDecode, 64, 32, 512),
+      make(Family::kPrefill, 128, 64, 256),
+  };
+  return list;
+}
+
+bool log_enabled() {
+  const char* v = std::getenv("QMOE_LOG_TACTICS");
+  return v != nullptr && std::string(v) == "1";
+}
+
+}  // namespace
+
+// Estimated rows of one expert (ceil(total_rows / num_experts)) up to which each tile is chosen.
+// Measured on H200 with uniform top-8 routing over 256 experts (bench/results/
+// 2026-11-30_h200_w4a8_gemm_dev.md): at 2 rows per expert n8 beats n16 by 20-30%; at 8 rows n16
+// wins by 10-15% (routing is Poisson-like, so many experts exceed 8 rows and an n8 tile would read
+// their weights twice); at 128 rows the prefill tile wins by 15-20%. Between 8 and 128 rows there
+// is no measurement yet: 32 keeps n16 while it needs at most ~2 token tiles per expert.
+constexpr int64_t kDecodeN8MaxRows = 4;
+constexpr int64_t kDecodeN16MaxRows = 32;
+
+std::string Tactic::name() const {
+  std::string s = family == Family::kDecode ? "decode" : "prefill";
+  s += "_m" + std::to_string(tile_m) + "_n" + std::to_string(tile_n) + "_k" + std::to_string(tile_k);
+  if (split_k != 1) s += "_s" + std::to_string(split_k);
+  return s;
+}
+
+std::vector<Tactic> valid_tactics(const GemmProblem& problem) {
+  // Every compiled tactic predicates its N, K-group and row tails, so it runs any problem within
+  // the op's limits (K % 128 == 0, N % 8 == 0); outside them nothing is valid.
+  if (problem.k <= 0 || problem.k % 128 != 0 || problem.n <= 0 || problem.n % 8 != 0 || problem.num_experts <= 0)
+    return {};
+  return compiled();
+}
+
+Tactic select_tactic(const GemmProblem& problem) {
+  const int64_t experts = problem.num_experts > 0 ? problem.num_experts : 1;
+  const int64_t rows = problem.total_rows > 0 ? problem.total_rows : 0;
+  const int64_t rows_per_expert = (rows + experts - 1) / experts;
+  Tactic t;
+  if (rows_per_expert <= kDecodeN8MaxRows) {
+    t = make(Family::kDecode, 128, 8, 256);
+  } else if (rows_per_expert <= kDecodeN16MaxRows) {
+    t = make(Family::kDecode, 128, 16, 256);
+  } else {
+    t = make(Family::kPrefill, 128, 64, 256);
+  }
+  if (log_enabled()) {
+    static std::mutex mutex;
+    static std::set<std::string> logged;
+    const std::string line = "n=" + std::to_string(problem.n) + " k=" + std::to_string(problem.k) +
+                             " rows=" + std::to_string(problem.total_rows) +
+                             " experts=" + std::to_string(problem.num_experts) + " topk=" +
+                             std::to_string(problem.topk) + " -> " + t.name();
+    std::lock_guard<std::mutex> lock(mutex);
+    if (logged.insert(line).second) std::fprintf(stderr, "qmoe tactic: %s\n", line.c_str());
+  }
+  return t;
+}
+
+Tactic parse_tactic(const std::string& name) {
+  for (const Tactic& t : compiled())
+    if (t.name() == name) return t;
+  std::string known;
+  for (const Tactic& t : compiled()) known += (known.empty() ? "" : ", ") + t.name();
+  throw Error("tactic", "one of " + known, "'" + name + "'");
+}
+
+}  // namespace qmoe

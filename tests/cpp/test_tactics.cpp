@@ -1,0 +1,103 @@
+// Tests of the W4A8 grouped-GEMM tactics (src/tune/tactics.cpp): the heuristic at each threshold
+// (estimated rows per expert = ceil(total_rows / num_experts): 4 | 32), the compiled
+// list, name round trips and errors.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "qmoe/error.h"
+#include "qmoe/tactics.h"
+
+namespace {
+
+qmoe::GemmProblem problem(int64_t rows, int64_t experts = 256, int64_t n = 4096, int64_t k = 7168) {
+  qmoe::GemmProblem p;
+  p.n = n;
+  p.k = k;
+  p.total_rows = rows;
+  p.num_experts = experts;
+  p.topk = 8;
+  return p;
+}
+
+std::string chosen(int64_t rows, int64_t experts = 256) { return qmoe::select_tactic(problem(rows, experts)).name(); }
+
+TEST(Tactics, DecodeN8UpToFourRowsPerExpert) {
+  EXPECT_EQ(chosen(0), "decode_m128_n8_k256");
+  EXPECT_EQ(chosen(1), "decode_m128_n8_k256");
+  EXPECT_EQ(chosen(8), "decode_m128_n8_k256");  // T=1, topk 8
+  EXPECT_EQ(chosen(4 * 256), "decode_m128_n8_k256");
+  EXPECT_EQ(qmoe::select_tactic(problem(4 * 256)).family, qmoe::Tactic::Family::kDecode);
+}
+
+TEST(Tactics, DecodeN16Boundaries) {
+  EXPECT_EQ(chosen(4 * 256 + 1), "decode_m128_n16_k256");
+  EXPECT_EQ(chosen(8 * 256), "decode_m128_n16_k256");
+  EXPECT_EQ(chosen(32 * 256), "decode_m128_n16_k256");
+}
+
+TEST(Tactics, PrefillAboveThirtyTwoRows) {
+  EXPECT_EQ(chosen(32 * 256 + 1), "prefill_m128_n64_k256");
+  EXPECT_EQ(qmoe::select_tactic(problem(32 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
+  EXPECT_EQ(chosen(32768), "prefill_m128_n64_k256");
+  EXPECT_EQ(chosen(100000, 1), "prefill_m128_n64_k256");
+}
+
+TEST(Tactics, EstimateUsesExpertCount) {
+  // 32 rows over 8 experts is 4 per expert (decode n8); over 4 experts it is 8 (n16); 33 rows over
+  // 8 experts rounds up to 5 (n16).
+  EXPECT_EQ(chosen(32, 8), "decode_m128_n8_k256");
+  EXPECT_EQ(chosen(32, 4), "decode_m128_n16_k256");
+  EXPECT_EQ(chosen(33, 8), "decode_m128_n16_k256");
+}
+
+TEST(Tactics, SelectIsPure) {
+  for (int64_t rows : {1, 9, 4097, 70000}) EXPECT_EQ(qmoe::select_tactic(problem(rows)), qmoe::select_tactic(problem(rows)));
+}
+
+TEST(Tactics, ValidContainsSelection) {
+  for (int64_t rows : {0, 1, 8, 9, 1024, 1025, 4096, 8192, 8193, 16384, 32768}) {
+    for (int64_t k : {128, 384, 2048, 7168}) {
+      auto p = problem(rows, 256, 7168, k);
+      auto valid = qmoe::valid_tactics(p);
+      ASSERT_FALSE(valid.empty());
+      bool found = false;
+      for (const auto& t : valid) found = found || t == qmoe::select_tactic(p);
+      EXPECT_TRUE(found) << rows << " " << k;
+    }
+  }
+}
+
+TEST(Tactics, NoValidTacticOutsideLimits) {
+  EXPECT_TRUE(qmoe::valid_tactics(problem(8, 256, 4096, 2880)).empty());  // K % 128 != 0
+  EXPECT_TRUE(qmoe::valid_tactics(problem(8, 256, 4100, 7168)).empty());  // N % 8 != 0
+}
+
+TEST(Tactics, NameRoundTrip) {
+  auto valid = qmoe::valid_tactics(problem(8));
+  EXPECT_EQ(valid.size(), 4u);
+  for (const auto& t : valid) {
+    EXPECT_EQ(qmoe::parse_tactic(t.name()), t);
+    EXPECT_EQ(qmoe::parse_tactic(t.name()).name(), t.name());
+  }
+  auto decode = qmoe::parse_tactic("decode_m128_n16_k256");
+  EXPECT_EQ(decode.family, qmoe::Tactic::Family::kDecode);
+  EXPECT_EQ(decode.tile_m, 128);
+  EXPECT_EQ(decode.tile_n, 16);
+  EXPECT_EQ(decode.tile_k, 256);
+  EXPECT_EQ(decode.split_k, 1);
+}
+
+TEST(Tactics, UnknownNameThrows) {
+  for (const char* bad : {"", "decode", "decode_m128_n16_k128", "prefill_m128_n128_k128", "decode_m128_n8_k256_s2", "fast"}) {
+    try {
+      qmoe::parse_tactic(bad);
+      FAIL() << "no error for '" << bad << "'";
+    } catch (const qmoe::Error& e) {
+      EXPECT_EQ(e.argument(), "tactic");
+      EXPECT_NE(std::string(e.what()).find("decode_m128_n8_k256"), std::string::npos);
+    }
+  }
+}
+
+}  // namespace
