@@ -42,6 +42,7 @@ struct TensorRef {
     return n;
   }
   bool is_contiguous() const {
+    if (numel() == 0) return true;  // frameworks report arbitrary strides for empty tensors
     int64_t expected = 1;
     for (int i = ndim - 1; i >= 0; --i) {
       if (shape[i] != 1 && strides[i] != expected) return false;

@@ -2,7 +2,6 @@
 #include "qmoe/tensor.h"
 
 #include <cstring>
-#include <sstream>
 
 namespace qmoe {
 
@@ -58,11 +57,11 @@ bool dtype_from_name(const std::string& name, DType* out) {
 }
 
 std::string shape_string(const TensorRef& t) {
-  std::ostringstream s;
-  s << "[";
-  for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
-  s << "]";
-  return s.str();
+  // NOTE: no iostreams in the library: a host toolchain that links libstdc++ statically into
+  // the extension leaves the stream locale uninitialised beside torch (seen: a crash here).
+  std::string s = "[";
+  for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  return s + "]";
 }
 
 void check_dtype(const TensorRef& t, const std::string& name, DType expected) {
@@ -88,16 +87,15 @@ void check_ndim(const TensorRef& t, const std::string& name, int ndim) {
 
 void check_shape(const TensorRef& t, const std::string& name, std::initializer_list<int64_t> expected) {
   bool ok = t.ndim == static_cast<int>(expected.size());
-  std::ostringstream want;
-  want << "shape [";
+  std::string want = "shape [";
   int i = 0;
   for (int64_t e : expected) {
-    want << (i ? ", " : "") << (e < 0 ? std::string("*") : std::to_string(e));
+    want += (i ? ", " : "") + (e < 0 ? std::string("*") : std::to_string(e));
     if (ok && e >= 0 && t.shape[i] != e) ok = false;
     ++i;
   }
-  want << "]";
-  check_arg(ok, name, want.str(), "shape " + shape_string(t));
+  want += "]";
+  check_arg(ok, name, want, "shape " + shape_string(t));
 }
 
 void check_contiguous(const TensorRef& t, const std::string& name) {

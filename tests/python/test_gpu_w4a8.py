@@ -725,4 +725,9 @@ def test_sglang_call_sequence(name, tokens, experts, topk, hidden, inter, opts):
     expected = ref.fused_moe(case["x"], case["topk_ids"], case["topk_weights"], case["w1"], case["w1_scale"],
                              case["w2"], case["w2_scale"], quant_mode="w4a8_int4", num_experts=experts,
                              x_scale=case["x_scale"], fc2_input_scale=case["fc2_input_scale"], deterministic=True)
-    testing.assert_close(to_np(out), expected, "w4a8_int4", what=f"{name}: SGLang sequence vs reference.fused_moe")
+    # SGLang's sequence rounds GEMM1's output to bf16 before SiLU and requant; qmoe's fused
+    # reference keeps it in fp32 (DESIGN 3b). That rounding moves some intermediate values across
+    # e4m3 code boundaries: 1.3e-2..1.8e-2 measured on the H200, so the bound is 3e-2 (the GEMMs
+    # themselves are checked bit-exact against the reference elsewhere in this file).
+    testing.assert_close(to_np(out), expected, "w4a8_int4", tol=3e-2,
+                         what=f"{name}: SGLang sequence vs reference.fused_moe")
