@@ -37,13 +37,11 @@ def _cpu_demo(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="qmoe", description="qmoe: quantized MoE kernels for Hopper")
     sub = parser.add_subparsers(dest="command")
-    bench = sub.add_parser("bench", help="benchmark on the GPU (CPU reference demo without one)")
+    bench = sub.add_parser("bench", help="benchmark on the GPU (CPU reference demo without one); "
+                                         "options after 'gemm' go to the GEMM benchmark (qmoe bench gemm --help)")
     bench.add_argument("what", nargs="?", default="gemm", choices=["gemm"], help="what to benchmark")
-    bench.add_argument("--model", default="qwen3_30b_a3b", help="model shape for the CPU demo (qmoe.testing.MODEL_SHAPES)")
-    bench.add_argument("--tokens", type=int, default=8, help="tokens for the CPU demo")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the GPU benchmark")
     sub.add_parser("info", help="print build information")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
     if args.command == "info":
         from . import _C
 
@@ -53,8 +51,13 @@ def main(argv=None) -> int:
         if _gpu_available():
             from .bench import gemm
 
-            return gemm.main(args.rest)
-        return _cpu_demo(args)
+            return gemm.main(rest)
+        demo = argparse.ArgumentParser(prog="qmoe bench (CPU demo)")
+        demo.add_argument("--model", default="qwen3_30b_a3b", help="a qmoe.testing.MODEL_SHAPES key")
+        demo.add_argument("--tokens", type=int, default=8)
+        return _cpu_demo(demo.parse_args(rest))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     parser.print_help()
     return 0
 
