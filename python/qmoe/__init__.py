@@ -8,4 +8,11 @@ from .ops import fused_moe, select_tactic, valid_tactics
 __version__ = _C.__version__
 kernels_built = _C.kernels_built
 
+try:  # torch.library custom ops, when torch is there (qmoe itself never needs torch)
+    import torch as _torch  # noqa: F401
+except ImportError:
+    _torch = None
+if _torch is not None and hasattr(_torch.library, "custom_op"):  # torch >= 2.4
+    from . import torch_ops  # noqa: F401
+
 __all__ = ["fused_moe", "select_tactic", "valid_tactics", "kernels_built", "__version__"]
