@@ -1,5 +1,7 @@
 // Quantization formats of qmoe (DESIGN.md section 3): scalar codecs usable on host and device,
-// and array-level quantize / dequantize / pack / layout helpers (CPU; GPU versions in quant_gpu.h).
+// and array-level quantize / dequantize / pack / layout helpers. CPU tensors run the reference
+// (src/reference/formats.cpp); CUDA tensors run the GPU kernels of src/cuda/quant/ on `stream`, with
+// bit-identical codes (same scalar codecs, same operation order).
 //
 // Rounding rules (tested bit for bit against numpy + ml_dtypes):
 //   bf16   : round-to-nearest-even from fp32; NaN -> 0x7FC0 | sign (canonical quiet NaN), inf stays inf.
@@ -20,6 +22,8 @@
 // (0x7F|sign, 0x7FC0|sign, as ml_dtypes). Compare GPU and reference NaNs by isnan, not by bits.
 // These functions are QMOE_HD inline so device code can use the exact same rounding.
 #pragma once
+
+#include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <cstring>
@@ -145,21 +149,26 @@ QMOE_HD uint8_t pack_int4_pair(int even, int odd) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Array-level formats (CPU tensors, contiguous row-major; K = last axis). A tensor written [..., K]
+// Array-level formats (contiguous row-major tensors; K = last axis). A tensor written [..., K]
 // may have any number of leading axes (R = their product); outputs keep the same leading axes.
 // Inputs marked "real" accept float32 or bfloat16; math is fp32 in the order written below.
 // Storage dtypes accepted: int4 -> int4x2, int8 or uint8; fp4 -> float4_e2m1fn_x2 or uint8;
 // e4m3 -> float8_e4m3fn or uint8; ue8m0 -> float8_e8m0fnu or uint8.
 // Every function validates all arguments (dtype, shape, device, contiguity, no aliasing, divisibility)
 // before it writes anything, and throws qmoe::Error naming the argument.
+// Devices: a function taking `stream` runs on the CPU when its tensors are CPU tensors and on the GPU
+// (asynchronously on `stream`, no host sync, CUDA-graph capturable, deterministic) when they are
+// CUDA tensors; every input must be on the device of the outputs (a mismatch names the input).
+// The GPU gives the same codes and scales bit for bit (NaN codes included; float outputs equal, NaN
+// where NaN). Functions without `stream` (pack/unpack, elementwise codecs) accept CPU tensors only.
 // ---------------------------------------------------------------------------------------------
 
 // int4-g128 weights. w real [..., K] (K % 128 == 0) -> q int4 [..., K/2], scales float32 [..., K/128].
 // Symmetric: s = amax(group) / 7 (s = 1 for an all-zero group), q = clamp(rne(w / s), -8, 7).
 // A group holding NaN or inf gets s = amax / 7 (NaN or inf) and q = 0, so dequantization gives NaN.
-void quantize_int4_g128(const TensorRef& w, TensorRef q, TensorRef scales);
+void quantize_int4_g128(const TensorRef& w, TensorRef q, TensorRef scales, cudaStream_t stream = nullptr);
 // q int4 [..., K/2], scales float32/bfloat16 [..., K/128] -> out float32 [..., K] = q * s.
-void dequantize_int4_g128(const TensorRef& q, const TensorRef& scales, TensorRef out);
+void dequantize_int4_g128(const TensorRef& q, const TensorRef& scales, TensorRef out, cudaStream_t stream = nullptr);
 // values int8 [..., K] in [-8, 7] (checked) <-> int4 [..., K/2] (K even).
 void pack_int4(const TensorRef& values, TensorRef packed);
 void unpack_int4(const TensorRef& packed, TensorRef values);
@@ -167,52 +176,56 @@ void unpack_int4(const TensorRef& packed, TensorRef values);
 // SGLang's stored scale layout (DESIGN.md 3.1). scales [E, N, G] (bf16 or f32, same dtype out):
 //   G % 4 == 0: out [E, G/4, 4N], out[e, kb, 4n + j] = S[e, n, 4kb + j]
 //   else      : out [E, G, N],    out[e, g, n] = S[e, n, g]
-void interleave_int4_scales(const TensorRef& scales, TensorRef out);
-void deinterleave_int4_scales(const TensorRef& stored, TensorRef scales);
+void interleave_int4_scales(const TensorRef& scales, TensorRef out, cudaStream_t stream = nullptr);
+void deinterleave_int4_scales(const TensorRef& stored, TensorRef scales, cudaStream_t stream = nullptr);
 // Shape of the stored layout for (E, N, K); K % 128 == 0.
 void int4_scale_layout_shape(int64_t experts, int64_t n, int64_t k, int64_t out_shape[3]);
 
 // FP8 e4m3: q = e4m3(x / scale). x real [..., K]; scale float32 with one element (per tensor) or R
 // elements (per token: shape [R] or x's leading axes). Scale values are not checked: a zero scale
 // saturates, a NaN scale gives NaN codes. q e4m3 [..., K].
-void quantize_fp8(const TensorRef& x, const TensorRef& scale, TensorRef q);
+void quantize_fp8(const TensorRef& x, const TensorRef& scale, TensorRef q, cudaStream_t stream = nullptr);
 // Dynamic scales: amax / 448 over the tensor (scale of one element) or each row (R elements);
 // an all-zero tensor/row gets 1; a NaN gives a NaN scale, an inf an inf scale (never hidden).
-void fp8_dynamic_scale(const TensorRef& x, TensorRef scale);
+// GPU: one CTA per row; per tensor, a deterministic multi-CTA max (the scale's own 4 bytes are the
+// accumulator, so `scale` holds intermediate bits until the call's last kernel has run).
+void fp8_dynamic_scale(const TensorRef& x, TensorRef scale, cudaStream_t stream = nullptr);
 // out float32 [..., K] = e4m3(q) * scale (per tensor or per row).
-void dequantize_fp8(const TensorRef& q, const TensorRef& scale, TensorRef out);
+void dequantize_fp8(const TensorRef& q, const TensorRef& scale, TensorRef out, cudaStream_t stream = nullptr);
 
 // NVFP4 with encode scale gs (finite, > 0) (DESIGN.md 3.2). x real [..., K], K % 16 == 0 ->
 // q fp4 [..., K/2], sf e4m3 [..., K/16]. Per 16-block: sf = e4m3((gs * amax) / 6),
 // q = e2m1((x * gs) / e4m3_to_float(sf)); q = 0 when sf decodes to 0. A block holding NaN gets
 // sf = 0x7F (NaN) and q = 0x7 elements (see float_to_e2m1).
-void quantize_nvfp4(const TensorRef& x, float global_scale, TensorRef q, TensorRef sf);
+void quantize_nvfp4(const TensorRef& x, float global_scale, TensorRef q, TensorRef sf, cudaStream_t stream = nullptr);
 // out float32 [..., K] = (e2m1(q) * e4m3(sf)) / gs.
-void dequantize_nvfp4(const TensorRef& q, const TensorRef& sf, float global_scale, TensorRef out);
+void dequantize_nvfp4(const TensorRef& q, const TensorRef& sf, float global_scale, TensorRef out,
+                      cudaStream_t stream = nullptr);
 
 // MXFP4 / MXFP8 (ue8m0 per 32). x real [..., K], K % 32 == 0 -> q (fp4 [..., K/2] | e4m3 [..., K]),
 // sf ue8m0 [..., K/32]. Per block: sf = ue8m0_ceil(amax / max_code) (fp32 division; max_code 6 or
 // 448; all-zero block -> 0), q = code(x / 2^(sf-127)). A NaN block gets sf 0xFF and NaN element codes
 // (e4m3 0x7F, e2m1 0x7). An inf saturates (scale clamped to 2^127, element to the largest code).
 // Dequantization: out float32 = element * 2^(sf-127) (NaN for sf 0xFF).
-void quantize_mxfp4(const TensorRef& x, TensorRef q, TensorRef sf);
-void dequantize_mxfp4(const TensorRef& q, const TensorRef& sf, TensorRef out);
-void quantize_mxfp8(const TensorRef& x, TensorRef q, TensorRef sf);
-void dequantize_mxfp8(const TensorRef& q, const TensorRef& sf, TensorRef out);
+void quantize_mxfp4(const TensorRef& x, TensorRef q, TensorRef sf, cudaStream_t stream = nullptr);
+void dequantize_mxfp4(const TensorRef& q, const TensorRef& sf, TensorRef out, cudaStream_t stream = nullptr);
+void quantize_mxfp8(const TensorRef& x, TensorRef q, TensorRef sf, cudaStream_t stream = nullptr);
+void dequantize_mxfp8(const TensorRef& q, const TensorRef& sf, TensorRef out, cudaStream_t stream = nullptr);
 
 // FlashInfer 128x4 weight-scale swizzle (DESIGN.md 3.3). sf 1-byte dtype [E, rows, cols] or
 // [rows, cols] (E = 1) -> out (same dtype, or uint8 on either side) [E, round_up(rows,128),
 // round_up(cols,4)] (same ndim) whose bytes are in swizzled order (padding = 0).
 int64_t swizzled_offset(int64_t expert, int64_t row, int64_t col, int64_t row_tiles, int64_t col_tiles);
-void swizzle_scales_128x4(const TensorRef& sf, TensorRef out);
-void unswizzle_scales_128x4(const TensorRef& swizzled, TensorRef sf);  // sf gives rows/cols
+void swizzle_scales_128x4(const TensorRef& sf, TensorRef out, cudaStream_t stream = nullptr);
+void unswizzle_scales_128x4(const TensorRef& swizzled, TensorRef sf,  // sf gives rows/cols
+                            cudaStream_t stream = nullptr);
 
 // Gate/up conventions for W13 [E, 2I, C] or [2I, C] (any dtype, same dtype out, C = packed columns):
 //   SGLang     : rows [gate(0..I); up(0..I)]
 //   FlashInfer : [up; gate] interleaved in 64-row groups: [up 0:64, gate 0:64, up 64:128, ...]
 // Also applies to row-major per-row scales [E, 2I, K/16|K/32]. Needs I % 64 == 0.
-void gate_up_sglang_to_flashinfer(const TensorRef& w, TensorRef out);
-void gate_up_flashinfer_to_sglang(const TensorRef& w, TensorRef out);
+void gate_up_sglang_to_flashinfer(const TensorRef& w, TensorRef out, cudaStream_t stream = nullptr);
+void gate_up_flashinfer_to_sglang(const TensorRef& w, TensorRef out, cudaStream_t stream = nullptr);
 
 // Elementwise scalar codecs over arrays (tests and tools), one code per byte (e2m1 in the low nibble):
 //   encode: x float32 -> codes uint8 (kE4M3, kE2M1, kUE8M0Ceil) or uint16/bfloat16 (kBF16)

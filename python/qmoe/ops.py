@@ -66,8 +66,7 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
     num_tokens, hidden = topk_ids.shape[0], w2.shape[1]
     if out is None:
         out = empty_like_framework(x, (num_tokens, hidden), _dtype_name(output_dtype))
-    workspace = None  # the GPU pipeline sizes its scratch through _C (fused-MoE issue)
-    _C.fused_moe(
+    args = (
         quant_mode, arg(x, "x"), arg(x_scale, "x_scale"), arg(topk_ids, "topk_ids"),
         arg(topk_weights, "topk_weights"), arg(w1, "w1"), arg(w1_scale, "w1_scale"), arg(w1_alpha, "w1_alpha"),
         arg(fc2_input_scale, "fc2_input_scale"), arg(w2, "w2"), arg(w2_scale, "w2_scale"),
@@ -75,7 +74,18 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
         int(num_experts if num_local_experts is None else num_local_experts), int(local_expert_offset),
         activation, float(swiglu_alpha), float(swiglu_beta), float(min(swiglu_limit, np.finfo(np.float32).max)),
         float(situ_beta), None if situ_linear_beta is None else float(situ_linear_beta), gate_up_layout,
-        bool(deterministic), float(routed_scaling_factor), tactic or "", workspace, current_stream(x))
+        bool(deterministic), float(routed_scaling_factor), tactic or "")
+    workspace = None
+    if is_torch(x) and x.is_cuda:
+        # Scratch of the GPU pipeline (exact size from C++; validates the call first). Allocated by
+        # torch's caching allocator on x's device: cheap per call, and inside a CUDA-graph capture
+        # it comes from the graph's private pool, so captured calls stay replayable.
+        import torch
+
+        nbytes = _C.fused_moe_workspace_size(*args)
+        if nbytes > 0:
+            workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    _C.fused_moe(*args, arg(workspace, "workspace"), current_stream(x))
     return out
 
 

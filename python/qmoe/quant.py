@@ -1,15 +1,21 @@
 """Weight and activation preparation: quantize / dequantize / pack / layout helpers (DESIGN.md 3).
 
-numpy arrays in, numpy arrays out (outputs allocated here with numpy / ml_dtypes); the work runs in
-the C++ reference (qmoe._C, src/reference/formats.cpp), whose rounding rules are written in
-include/qmoe/formats.h: e4m3 RNE saturating to +-448 (NaN -> 0x7F|sign), e2m1 RNE saturating to +-6
-(NaN -> 0x7), bf16 RNE, MX scales = smallest power of two >= amax / max_code.
+numpy arrays (or CPU torch tensors) in, numpy arrays out (outputs allocated here with numpy /
+ml_dtypes); the work runs in the C++ reference (qmoe._C, src/reference/formats.cpp), whose rounding
+rules are written in include/qmoe/formats.h: e4m3 RNE saturating to +-448 (NaN -> 0x7F|sign), e2m1
+RNE saturating to +-6 (NaN -> 0x7), bf16 RNE, MX scales = smallest power of two >= amax / max_code.
 
-Real inputs may be float32 or ml_dtypes.bfloat16 (used as they are) or any other real dtype
-(converted to float32 first). Returned dtypes:
+torch CUDA tensors in, torch CUDA tensors out: the same functions run the GPU kernels
+(src/cuda/quant/) on torch's current stream of that device, asynchronously, with outputs allocated
+by torch on the input's device; the codes are bit-identical to the CPU's. Every tensor argument of
+a call must then be on that device (a float / numpy scale is moved there; a tensor is not).
+pack_int4 / unpack_int4 have no GPU version and refuse CUDA tensors.
+
+Real inputs may be float32 or bfloat16 (used as they are) or any other real dtype (converted to
+float32 first). Returned dtypes (numpy / torch):
   int4   : int8 [..., K/2] (two values per byte, even K index in the low nibble; SGLang's dtype)
   fp4    : uint8 [..., K/2] (two e2m1 codes per byte, even K index in the low nibble)
-  e4m3   : ml_dtypes.float8_e4m3fn
+  e4m3   : ml_dtypes.float8_e4m3fn / torch.float8_e4m3fn
   ue8m0  : uint8 codes (value 2^(code - 127), 255 = NaN)
 """
 from __future__ import annotations
@@ -18,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _C
-from ._tensors import arg, is_torch
+from ._tensors import arg, current_stream, is_torch
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -36,18 +42,14 @@ __all__ = [
 # Input handling
 # ------------------------------------------------------------------------------------------------
 def _host(t, name: str) -> np.ndarray:
-    """A C-contiguous numpy array for the CPU reference.
-
-    ---- GPU DISPATCH GOES HERE ----
-    A torch CUDA tensor should go to the GPU quantizers (quant_gpu.h, not written yet) on torch's
-    current stream (qmoe._tensors.current_stream), with outputs allocated by torch. Until then it
-    is refused, never copied to the host behind the caller's back.
-    """
+    """A C-contiguous numpy array for the CPU reference. A CUDA tensor reaching here is refused
+    (never copied to the host behind the caller's back): the call's main tensor was on the CPU, or
+    the function has no GPU version."""
     if is_torch(t):
         if t.is_cuda:
-            raise NotImplementedError(
-                f"qmoe.quant: argument '{name}' is a CUDA tensor; GPU quantization is not implemented yet "
-                "(pass a numpy array)")
+            raise ValueError(f"qmoe: argument '{name}': expected a CPU tensor or numpy array (the other "
+                             "tensors of this call are on the CPU, or this function has no GPU version), "
+                             "got a CUDA tensor")
         import torch
 
         t = t.detach()
@@ -83,6 +85,58 @@ def _codes_u8(t, name: str) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------
+# GPU path: torch CUDA tensors stay on their device; outputs are allocated there by torch.
+# ------------------------------------------------------------------------------------------------
+def _on_gpu(t) -> bool:
+    return is_torch(t) and t.is_cuda
+
+
+def _g_real(x, name: str):
+    """float32 / bfloat16 as given, any other real dtype converted to float32; contiguous."""
+    import torch
+
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        if x.dtype.is_complex or x.dtype == torch.bool:
+            raise TypeError(f"qmoe.quant: argument '{name}': expected a real tensor, got dtype {x.dtype}")
+        x = x.float()
+    return x.contiguous()
+
+
+def _g_codes(t, name: str, like):
+    """A 1-byte code tensor on the device of `like`, contiguous, as stored."""
+    if not is_torch(t):
+        raise TypeError(f"qmoe.quant: argument '{name}': expected a torch tensor on {like.device} "
+                        f"(the device of the other tensors), got {type(t).__name__}")
+    if t.element_size() != 1:
+        raise TypeError(f"qmoe.quant: argument '{name}': expected a 1-byte dtype, got dtype {t.dtype}")
+    return t.contiguous()
+
+
+def _g_scale(scale, like, name: str = "scale"):
+    """A float32 scale tensor on like's device: floats / numpy arrays are moved there, a torch
+    tensor is taken as it is (a CPU tensor is then refused by the C++ device check)."""
+    import torch
+
+    if is_torch(scale):
+        s = scale.float().contiguous()
+    else:
+        s = torch.as_tensor(np.asarray(scale, np.float32), device=like.device)
+    return s.reshape(1) if s.ndim == 0 else s
+
+
+def _g_empty(like, shape, dtype):
+    import torch
+
+    return torch.empty(tuple(shape), dtype=dtype, device=like.device)
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+# ------------------------------------------------------------------------------------------------
 # int4-g128 (SGLang W4A8 weights)
 # ------------------------------------------------------------------------------------------------
 def quantize_int4_g128(w):
@@ -90,6 +144,14 @@ def quantize_int4_g128(w):
 
     s = amax / 7 per group of 128 along K (1 for an all-zero group), q = clamp(rne(w / s), -8, 7).
     """
+    if _on_gpu(w):
+        torch = _torch()
+        w = _g_real(w, "w")
+        k = _last_axis(w, "w", 128)
+        q = _g_empty(w, w.shape[:-1] + (k // 2,), torch.int8)
+        scales = _g_empty(w, w.shape[:-1] + (k // 128,), torch.float32)
+        _C.quantize_int4_g128(arg(w, "w"), arg(q, "q"), arg(scales, "scales"), stream=current_stream(w))
+        return q, scales
     w = _real(w, "w")
     k = _last_axis(w, "w", 128)
     q = np.empty(w.shape[:-1] + (k // 2,), np.int8)
@@ -100,6 +162,13 @@ def quantize_int4_g128(w):
 
 def dequantize_int4_g128(q, scales):
     """q int4 [..., K/2] (int8/uint8), logical scales float32/bfloat16 [..., K/128] -> float32 [..., K]."""
+    if _on_gpu(q):
+        torch = _torch()
+        q = _g_codes(q, "q", q)
+        scales = _g_real(scales, "scales") if is_torch(scales) else _g_scale(scales, q, "scales")
+        out = _g_empty(q, q.shape[:-1] + (q.shape[-1] * 2,), torch.float32)
+        _C.dequantize_int4_g128(arg(q, "q"), arg(scales, "scales"), arg(out, "out"), stream=current_stream(q))
+        return out
     q = _codes_u8(q, "q")
     scales = _real(scales, "scales")
     out = np.empty(q.shape[:-1] + (q.shape[-1] * 2,), np.float32)
@@ -140,6 +209,14 @@ def interleave_int4_scales(scales):
     """Logical scales S [E, N, G] (float32 or bfloat16) -> SGLang's stored layout, same dtype:
     [E, G/4, 4N] with out[e, kb, 4n + j] = S[e, n, 4kb + j] when G % 4 == 0 (K % 512 == 0),
     else [E, G, N] (transposed)."""
+    if _on_gpu(scales):
+        s = _g_real(scales, "scales")
+        if s.ndim != 3:
+            raise ValueError(f"qmoe: argument 'scales': expected [E, N, G], got shape {list(s.shape)}")
+        e, n, g = s.shape
+        out = _g_empty(s, (e, g // 4, 4 * n) if g % 4 == 0 else (e, g, n), s.dtype)
+        _C.interleave_int4_scales(arg(s, "scales"), arg(out, "out"), stream=current_stream(s))
+        return out
     s = _real(scales, "scales")
     if s.ndim != 3:
         raise ValueError(f"qmoe: argument 'scales': expected [E, N, G], got shape {list(s.shape)}")
@@ -151,12 +228,17 @@ def interleave_int4_scales(scales):
 
 def deinterleave_int4_scales(stored, k: int):
     """SGLang's stored scales for a weight of reduction size k -> logical S [E, N, K/128]."""
-    st = _real(stored, "stored")
+    gpu = _on_gpu(stored)
+    st = _g_real(stored, "stored") if gpu else _real(stored, "stored")
     if st.ndim != 3 or k % 128:
         raise ValueError(f"qmoe: argument 'stored': expected [E, *, *] scales and k % 128 == 0, "
                          f"got shape {list(st.shape)} and k={k}")
     g = k // 128
     n = st.shape[2] // 4 if g % 4 == 0 else st.shape[2]
+    if gpu:
+        out = _g_empty(st, (st.shape[0], n, g), st.dtype)
+        _C.deinterleave_int4_scales(arg(st, "stored"), arg(out, "scales"), stream=current_stream(st))
+        return out
     out = np.empty((st.shape[0], n, g), st.dtype)
     _C.deinterleave_int4_scales(arg(st, "stored"), arg(out, "scales"))
     return out
@@ -168,6 +250,11 @@ def deinterleave_int4_scales(stored, k: int):
 def fp8_dynamic_scale(x, per_token: bool = False):
     """amax / 448 over the tensor (shape [1]) or each row (shape x.shape[:-1]); an all-zero
     tensor / row gets 1; NaN or inf is kept (never hidden)."""
+    if _on_gpu(x):
+        x = _g_real(x, "x")
+        scale = _g_empty(x, x.shape[:-1] if per_token and x.ndim > 1 else (1,), _torch().float32)
+        _C.fp8_dynamic_scale(arg(x, "x"), arg(scale, "scale"), stream=current_stream(x))
+        return scale
     x = _real(x, "x")
     scale = np.empty(x.shape[:-1] if per_token and x.ndim > 1 else (1,), np.float32)
     _C.fp8_dynamic_scale(arg(x, "x"), arg(scale, "scale"))
@@ -179,6 +266,12 @@ def quantize_fp8(x, scale=None, per_token: bool = False):
 
     scale None: dynamic, amax / 448 per tensor (or per row when per_token). Otherwise a float or an
     array with one element (per tensor) or one per row (per token)."""
+    if _on_gpu(x):
+        x = _g_real(x, "x")
+        scale = fp8_dynamic_scale(x, per_token) if scale is None else _g_scale(scale, x)
+        q = _g_empty(x, x.shape, _torch().float8_e4m3fn)
+        _C.quantize_fp8(arg(x, "x"), arg(scale, "scale"), arg(q, "q"), stream=current_stream(x))
+        return q, scale
     x = _real(x, "x")
     if scale is None:
         scale = fp8_dynamic_scale(x, per_token)
@@ -193,6 +286,12 @@ def quantize_fp8(x, scale=None, per_token: bool = False):
 
 def dequantize_fp8(q, scale):
     """float32 [..., K] = e4m3(q) * scale (one element, or one per row)."""
+    if _on_gpu(q):
+        q = _g_codes(q, "q", q)
+        scale = _g_scale(scale, q)
+        out = _g_empty(q, q.shape, _torch().float32)
+        _C.dequantize_fp8(arg(q, "q"), arg(scale, "scale"), arg(out, "out"), stream=current_stream(q))
+        return out
     q = _codes_u8(q, "q")
     if q.dtype == np.uint8:
         q = q.view(E4M3)
@@ -214,20 +313,39 @@ def nvfp4_global_scale(amax) -> float:
     return 1.0 if amax == 0.0 else float(np.float32(448.0 * 6.0) / np.float32(amax))
 
 
-def quantize_nvfp4(x, global_scale: float):
+def quantize_nvfp4(x, global_scale: float, swizzle: bool = False):
     """x real [..., K] (K % 16 == 0) -> (q uint8 [..., K/2], sf float8_e4m3fn [..., K/16]).
 
-    Per 16: sf = e4m3((gs * amax) / 6), q = e2m1((x * gs) / sf) (0 when sf is 0); NaN block -> sf 0x7F."""
-    x = _real(x, "x")
-    k = _last_axis(x, "x", 16)
-    q = np.empty(x.shape[:-1] + (k // 2,), np.uint8)
-    sf = np.empty(x.shape[:-1] + (k // 16,), E4M3)
-    _C.quantize_nvfp4(arg(x, "x"), float(global_scale), arg(q, "q"), arg(sf, "sf"))
+    Per 16: sf = e4m3((gs * amax) / 6), q = e2m1((x * gs) / sf) (0 when sf is 0); NaN block -> sf 0x7F.
+    swizzle=True returns sf in the 128x4 layout (swizzle_scales_128x4): per expert [E, Rp, Cp] for
+    a 3-D x [E, rows, K] (weights), else [Rp, Cp] over the rows of x flattened (activations)."""
+    if _on_gpu(x):
+        x = _g_real(x, "x")
+        k = _last_axis(x, "x", 16)
+        q = _g_empty(x, x.shape[:-1] + (k // 2,), _torch().uint8)
+        sf = _g_empty(x, x.shape[:-1] + (k // 16,), _torch().float8_e4m3fn)
+        _C.quantize_nvfp4(arg(x, "x"), float(global_scale), arg(q, "q"), arg(sf, "sf"), stream=current_stream(x))
+    else:
+        x = _real(x, "x")
+        k = _last_axis(x, "x", 16)
+        q = np.empty(x.shape[:-1] + (k // 2,), np.uint8)
+        sf = np.empty(x.shape[:-1] + (k // 16,), E4M3)
+        _C.quantize_nvfp4(arg(x, "x"), float(global_scale), arg(q, "q"), arg(sf, "sf"))
+    if swizzle:
+        sf = swizzle_scales_128x4(sf if sf.ndim == 3 else sf.reshape(-1, k // 16))
     return q, sf
 
 
 def dequantize_nvfp4(q, sf, global_scale: float):
     """float32 [..., K] = (e2m1(q) * e4m3(sf)) / gs."""
+    if _on_gpu(q):
+        torch = _torch()
+        q = _g_codes(q, "q", q)
+        sf = _g_codes(sf, "sf", q)
+        out = _g_empty(q, q.shape[:-1] + (q.shape[-1] * 2,), torch.float32)
+        _C.dequantize_nvfp4(arg(q.view(torch.uint8), "q"), arg(sf.view(torch.float8_e4m3fn), "sf"),
+                            float(global_scale), arg(out, "out"), stream=current_stream(q))
+        return out
     q = _codes_u8(q, "q")
     sf = _codes_u8(sf, "sf")
     if sf.dtype == np.uint8:
@@ -239,6 +357,14 @@ def dequantize_nvfp4(q, sf, global_scale: float):
 
 def quantize_mxfp4(x):
     """x real [..., K] (K % 32 == 0) -> (q uint8 [..., K/2], sf uint8 ue8m0 [..., K/32])."""
+    if _on_gpu(x):
+        torch = _torch()
+        x = _g_real(x, "x")
+        k = _last_axis(x, "x", 32)
+        q = _g_empty(x, x.shape[:-1] + (k // 2,), torch.uint8)
+        sf = _g_empty(x, x.shape[:-1] + (k // 32,), torch.uint8)
+        _C.quantize_mxfp4(arg(x, "x"), arg(q, "q"), arg(sf, "sf"), stream=current_stream(x))
+        return q, sf
     x = _real(x, "x")
     k = _last_axis(x, "x", 32)
     q = np.empty(x.shape[:-1] + (k // 2,), np.uint8)
@@ -249,6 +375,14 @@ def quantize_mxfp4(x):
 
 def quantize_mxfp8(x):
     """x real [..., K] (K % 32 == 0) -> (q float8_e4m3fn [..., K], sf uint8 ue8m0 [..., K/32])."""
+    if _on_gpu(x):
+        torch = _torch()
+        x = _g_real(x, "x")
+        k = _last_axis(x, "x", 32)
+        q = _g_empty(x, x.shape, torch.float8_e4m3fn)
+        sf = _g_empty(x, x.shape[:-1] + (k // 32,), torch.uint8)
+        _C.quantize_mxfp8(arg(x, "x"), arg(q, "q"), arg(sf, "sf"), stream=current_stream(x))
+        return q, sf
     x = _real(x, "x")
     k = _last_axis(x, "x", 32)
     q = np.empty(x.shape, E4M3)
@@ -263,6 +397,13 @@ def _ue8m0_codes(sf) -> np.ndarray:
 
 def dequantize_mxfp4(q, sf):
     """float32 [..., K] = e2m1(q) * 2^(sf - 127) (NaN for sf 255)."""
+    if _on_gpu(q):
+        torch = _torch()
+        q = _g_codes(q, "q", q).view(torch.uint8)
+        sf = _g_codes(sf, "sf", q).view(torch.uint8)
+        out = _g_empty(q, q.shape[:-1] + (q.shape[-1] * 2,), torch.float32)
+        _C.dequantize_mxfp4(arg(q, "q"), arg(sf, "sf"), arg(out, "out"), stream=current_stream(q))
+        return out
     q = _codes_u8(q, "q").view(np.uint8)
     out = np.empty(q.shape[:-1] + (q.shape[-1] * 2,), np.float32)
     _C.dequantize_mxfp4(arg(q, "q"), arg(_ue8m0_codes(sf), "sf"), arg(out, "out"))
@@ -271,6 +412,13 @@ def dequantize_mxfp4(q, sf):
 
 def dequantize_mxfp8(q, sf):
     """float32 [..., K] = e4m3(q) * 2^(sf - 127) (NaN for sf 255)."""
+    if _on_gpu(q):
+        torch = _torch()
+        q = _g_codes(q, "q", q).view(torch.uint8)
+        sf = _g_codes(sf, "sf", q).view(torch.uint8)
+        out = _g_empty(q, q.shape, torch.float32)
+        _C.dequantize_mxfp8(arg(q, "q"), arg(sf, "sf"), arg(out, "out"), stream=current_stream(q))
+        return out
     q = _codes_u8(q, "q").view(np.uint8)
     out = np.empty(q.shape, np.float32)
     _C.dequantize_mxfp8(arg(q, "q"), arg(_ue8m0_codes(sf), "sf"), arg(out, "out"))
@@ -288,6 +436,15 @@ def swizzle_scales_128x4(sf):
     """Row-major 1-byte scales [E, rows, cols] or [rows, cols] -> the same dtype and ndim,
     [E, round_up(rows, 128), round_up(cols, 4)], bytes in FlashInfer's 128x4 order (DESIGN.md 3.3),
     padding 0."""
+    if _on_gpu(sf):
+        torch = _torch()
+        sf = _g_codes(sf, "sf", sf)
+        if sf.ndim not in (2, 3):
+            raise ValueError(f"qmoe: argument 'sf': expected [E, rows, cols] or [rows, cols], got shape {list(sf.shape)}")
+        out = _g_empty(sf, sf.shape[:-2] + (_round_up(sf.shape[-2], 128), _round_up(sf.shape[-1], 4)), sf.dtype)
+        _C.swizzle_scales_128x4(arg(sf.view(torch.uint8), "sf"), arg(out.view(torch.uint8), "out"),
+                                stream=current_stream(sf))
+        return out
     sf = _codes_u8(sf, "sf")
     if sf.ndim not in (2, 3):
         raise ValueError(f"qmoe: argument 'sf': expected [E, rows, cols] or [rows, cols], got shape {list(sf.shape)}")
@@ -298,6 +455,15 @@ def swizzle_scales_128x4(sf):
 
 def unswizzle_scales_128x4(swizzled, rows: int, cols: int):
     """Inverse of swizzle_scales_128x4: swizzled [E, Rp, Cp] or [Rp, Cp] -> [E, rows, cols] (same dtype)."""
+    if _on_gpu(swizzled):
+        torch = _torch()
+        sw = _g_codes(swizzled, "swizzled", swizzled)
+        if sw.ndim not in (2, 3):
+            raise ValueError(f"qmoe: argument 'swizzled': expected a 2-D or 3-D tensor, got shape {list(sw.shape)}")
+        out = _g_empty(sw, sw.shape[:-2] + (rows, cols), sw.dtype)
+        _C.unswizzle_scales_128x4(arg(sw.view(torch.uint8), "swizzled"), arg(out.view(torch.uint8), "sf"),
+                                  stream=current_stream(sw))
+        return out
     sw = _codes_u8(swizzled, "swizzled")
     if sw.ndim not in (2, 3):
         raise ValueError(f"qmoe: argument 'swizzled': expected a 2-D or 3-D array, got shape {list(sw.shape)}")
@@ -307,6 +473,17 @@ def unswizzle_scales_128x4(swizzled, rows: int, cols: int):
 
 
 def _reorder(w, to_flashinfer: bool):
+    fn = _C.gate_up_sglang_to_flashinfer if to_flashinfer else _C.gate_up_flashinfer_to_sglang
+    if _on_gpu(w):
+        torch = _torch()
+        w = w.contiguous()
+        out = torch.empty_like(w)
+        # Rows move as raw bytes: any dtype goes across as a same-size integer (or float16) view.
+        view = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}.get(w.element_size())
+        if view is None or w.ndim < 1:
+            raise TypeError(f"qmoe.quant: argument 'w': unsupported dtype {w.dtype}")
+        fn(arg(w.view(view), "w"), arg(out.view(view), "out"), stream=current_stream(w))
+        return out
     w = _host(w, "w")
     out = np.empty_like(w)
     # Rows are moved as raw bytes, so every dtype goes across as a same-size integer view.
@@ -314,7 +491,6 @@ def _reorder(w, to_flashinfer: bool):
     view = {1: np.uint8, 2: np.float16, 4: np.int32, 8: np.int64}.get(w.itemsize)
     if view is None or w.ndim < 1:
         raise TypeError(f"qmoe.quant: argument 'w': unsupported dtype {w.dtype}")
-    fn = _C.gate_up_sglang_to_flashinfer if to_flashinfer else _C.gate_up_flashinfer_to_sglang
     fn(arg(w.view(view), "w"), arg(out.view(view), "out"))
     return out
 

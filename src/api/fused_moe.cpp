@@ -4,8 +4,12 @@
 //
 // validate_fused_moe checks every dtype, shape, device, contiguity and mode/argument combination
 // before any work, naming the first bad argument; fused_moe then runs the CPU reference
-// (src/reference/fused_moe.cpp) on CPU tensors. The GPU pipeline is not built yet: CUDA tensors
-// raise a kRuntime qmoe::Error after validation.
+// (src/reference/fused_moe.cpp) on CPU tensors, or, for CUDA tensors with quant_mode w4a8_int4, the
+// GPU pipeline (src/cuda/fused/sm90_fused_moe_w4a8_int4.cu) after the GPU-only checks below
+// (local experts <= 1024, 16-byte aligned weights, tactic, workspace size and alignment). Other
+// quant modes on CUDA tensors raise a kRuntime qmoe::Error (their GPU pipeline is not built yet).
+// fused_moe_workspace_size returns the exact scratch bytes of the GPU pipeline
+// (src/cuda/fused/fused_moe_workspace.h), 0 for CPU tensors and for modes without a GPU path.
 //
 // Shapes (E_l = local experts, H = w2.size(1), I = 2 * w2.size(2), R1 = 2I gated / I for ReLU^2):
 //   topk_ids int32 [T, k] (1 <= k <= 16), topk_weights f32 [T, k], output bf16/f16/f32 [T, H]
@@ -24,8 +28,11 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/fused/fused_moe_workspace.h"
+#include "cuda/launch.h"
 #include "qmoe/fused_moe.h"
 #include "qmoe/routing.h"
+#include "qmoe/tactics.h"
 
 namespace qmoe {
 
@@ -295,18 +302,96 @@ void validate_fused_moe(const FusedMoeParams& p) {
   for (const auto& [t, name] : inputs) check_no_alias(p.output, "output", *t, name);
 }
 
+namespace {
+
+// Sizes of one (validated) problem, as the GPU pipeline sees them.
+struct GpuDims {
+  int64_t tokens, topk, slots, hidden, inter, rows1, local;
+};
+GpuDims gpu_dims(const FusedMoeParams& p) {
+  GpuDims d;
+  d.tokens = p.topk_ids.size(0);
+  d.topk = p.topk_ids.size(1);
+  d.slots = d.tokens * d.topk;
+  d.hidden = p.w2.size(1);
+  d.inter = 2 * p.w2.size(2);
+  d.rows1 = p.activation != Activation::kRelu2 ? 2 * d.inter : d.inter;
+  d.local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
+  return d;
+}
+
+bool has_gpu_path(const FusedMoeParams& p) { return p.x.is_cuda() && p.quant_mode == QuantMode::kW4A8Int4; }
+
+int64_t gpu_workspace_bytes(const GpuDims& d) {
+  return cuda::fused_moe_workspace_layout(d.slots, d.local, d.hidden, d.inter, d.rows1).total;
+}
+
+// The tactic of one of the two GEMMs: the forced one (checked against the problem) or the heuristic's.
+Tactic gemm_tactic(const FusedMoeParams& p, const GpuDims& d, int64_t n, int64_t k) {
+  GemmProblem problem;
+  problem.n = n;
+  problem.k = k;
+  problem.total_rows = d.slots;  // an upper bound: the local rows are only known on the device
+  problem.num_experts = d.local;
+  problem.topk = d.topk;
+  if (p.tactic.empty()) return select_tactic(problem);
+  const Tactic forced = parse_tactic(p.tactic);
+  const std::vector<Tactic> valid = valid_tactics(problem);
+  bool ok = false;
+  std::string names;
+  for (const Tactic& t : valid) {
+    ok = ok || t == forced;
+    names += (names.empty() ? "" : ", ") + t.name();
+  }
+  check_arg(ok, "tactic", "one of the tactics valid for both GEMMs: [" + names + "]", "'" + p.tactic + "'");
+  return forced;
+}
+
+void check_aligned16(const TensorRef& t, const std::string& name) {
+  check_arg(reinterpret_cast<uintptr_t>(t.data) % 16 == 0, name,
+            "a 16-byte aligned data pointer (the GPU GEMMs copy 16-byte chunks)",
+            "an address that is not 16-byte aligned");
+}
+
+}  // namespace
+
 int64_t fused_moe_workspace_size(const FusedMoeParams& p) {
   validate_fused_moe(p);
-  return 0;  // the CPU reference allocates its own scratch; the GPU path is not built yet
+  // The CPU reference allocates its own scratch; modes without a GPU path fail in fused_moe.
+  return has_gpu_path(p) ? gpu_workspace_bytes(gpu_dims(p)) : 0;
 }
 
 void fused_moe(const FusedMoeParams& p, void* workspace, int64_t workspace_bytes, cudaStream_t stream) {
   validate_fused_moe(p);
   if (p.x.is_cuda()) {
-    throw Error("quant_mode",
-                "CPU tensors (the GPU fused MoE pipeline is not available in this build yet)",
-                std::string("CUDA tensors for quant_mode '") + quant_mode_name(p.quant_mode) + "'",
-                ErrorKind::kRuntime);
+    if (p.quant_mode != QuantMode::kW4A8Int4) {
+      throw Error("quant_mode", "'w4a8_int4' for CUDA tensors (the other modes run on CPU tensors only)",
+                  std::string("CUDA tensors for quant_mode '") + quant_mode_name(p.quant_mode) +
+                      "', whose fused MoE is not available on the GPU yet",
+                  ErrorKind::kRuntime);
+    }
+    if (!cuda::kernels_built()) {
+      throw Error("fused_moe", "a qmoe build with CUDA kernels (QMOE_WITH_CUDA_KERNELS=ON)",
+                  "a CPU-only build; pass CPU tensors or rebuild", ErrorKind::kRuntime);
+    }
+    const GpuDims d = gpu_dims(p);
+    check_arg(d.local <= kMaxExperts, "num_local_experts",
+              "at most " + std::to_string(kMaxExperts) + " local experts on the GPU (routing scan and GEMM work list)",
+              str(d.local));
+    for (const auto& [t, name] : {std::pair<const TensorRef*, const char*>{&p.w1, "w1"}, {&p.w1_scale, "w1_scale"},
+                                  {&p.w2, "w2"}, {&p.w2_scale, "w2_scale"}})
+      check_aligned16(*t, name);
+    const Tactic gemm1 = gemm_tactic(p, d, d.rows1, d.hidden);
+    const Tactic gemm2 = gemm_tactic(p, d, d.hidden, d.inter);
+    const int64_t need = gpu_workspace_bytes(d);
+    check_arg(workspace != nullptr && workspace_bytes >= need, "workspace",
+              "a CUDA buffer of at least " + str(need) + " bytes (fused_moe_workspace_size)",
+              workspace == nullptr ? std::string("nullptr") : str(workspace_bytes) + " bytes");
+    check_arg(reinterpret_cast<uintptr_t>(workspace) % cuda::FusedMoeWorkspaceLayout::kAlign == 0, "workspace",
+              "a " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned pointer (as cudaMalloc returns)",
+              "an address that is not " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned");
+    cuda::fused_moe_w4a8_int4(p, gemm1, gemm2, workspace, stream);
+    return;
   }
   // A forced tactic names a GPU kernel configuration; the reference has none to honour.
   check_arg(p.tactic.empty(), "tactic", "empty on CPU tensors (the CPU reference has no tactics)",

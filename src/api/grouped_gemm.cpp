@@ -158,6 +158,13 @@ void validate_w4a8_moe_mm(const W4A8MoeMmArgs& args) {
   check_no_alias(d, "d", b_scales, "b_scales");
   check_no_alias(d, "d", offsets, "expert_offsets");
   check_no_alias(d, "d", sizes, "problem_sizes");
+  // The stride tensors too: they are only read here, but an output that overlaps them would make
+  // the call's inputs depend on its own result (found by tests/python/test_hostile_inputs.py).
+  const std::pair<const std::optional<TensorRef>*, const char*> strides[] = {
+      {&args.a_strides, "a_strides"}, {&args.b_strides, "b_strides"}, {&args.d_strides, "d_strides"},
+      {&args.s_strides, "s_strides"}};
+  for (const auto& [s, name] : strides)
+    if (s->has_value()) check_no_alias(d, "d", **s, name);
 
   if (a.is_cuda()) {
     // TMA loads and stores need 16-byte aligned base addresses (row pitches are aligned by the

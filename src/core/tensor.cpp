@@ -22,7 +22,38 @@ const DTypeInfo& info(DType d) {
     if (i.dtype == d) return i;
   return kDTypes[0];
 }
+bool known_dtype(DType d) {
+  for (const auto& i : kDTypes)
+    if (i.dtype == d) return true;
+  return false;
+}
 }  // namespace
+
+// Every check below starts here: a TensorRef is a plain struct a C++ caller fills by hand, so its
+// fields are checked before any of them is used (ndim indexes shape[], sizes feed numel(), the
+// byte size feeds the alias check). Limits: 0 <= ndim <= 8, sizes >= 0, and numel * itemsize below
+// 2^62 bytes, so that no size computation in the library overflows int64.
+static void check_well_formed(const TensorRef& t, const std::string& name) {
+  check_arg(t.ndim >= 0 && t.ndim <= kMaxDims, name, "a tensor of 0 to " + std::to_string(kMaxDims) + " dimensions",
+            "ndim = " + std::to_string(t.ndim));
+  check_arg(known_dtype(t.dtype), name, "a qmoe dtype", "dtype value " + std::to_string(static_cast<int>(t.dtype)),
+            ErrorKind::kType);
+  check_arg(t.device == Device::kCPU || t.device == Device::kCUDA, name, "a CPU or CUDA tensor",
+            "device value " + std::to_string(static_cast<int>(t.device)));
+  check_arg(t.device == Device::kCPU || t.device_index >= 0, name, "a CUDA device index >= 0",
+            "device index " + std::to_string(t.device_index));
+  constexpr int64_t kMaxBytes = int64_t{1} << 62;
+  int64_t bytes = info(t.dtype).size;
+  bool empty = false;
+  for (int i = 0; i < t.ndim; ++i) {
+    check_arg(t.shape[i] >= 0, name, "sizes >= 0", "shape " + shape_string(t));
+    if (t.shape[i] == 0) empty = true;
+  }
+  for (int i = 0; i < t.ndim && !empty; ++i) {
+    check_arg(t.shape[i] <= kMaxBytes / bytes, name, "fewer than 2^62 bytes", "shape " + shape_string(t));
+    bytes *= t.shape[i];
+  }
+}
 
 TensorRef make_tensor(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device, int device_index) {
   TensorRef t;
@@ -60,16 +91,19 @@ std::string shape_string(const TensorRef& t) {
   // NOTE: no iostreams in the library: a host toolchain that links libstdc++ statically into
   // the extension leaves the stream locale uninitialised beside torch (seen: a crash here).
   std::string s = "[";
+  if (t.ndim < 0 || t.ndim > kMaxDims) return "[ndim = " + std::to_string(t.ndim) + "]";
   for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
   return s + "]";
 }
 
 void check_dtype(const TensorRef& t, const std::string& name, DType expected) {
+  check_well_formed(t, name);
   check_arg(t.dtype == expected, name, std::string("dtype ") + dtype_name(expected),
             std::string("dtype ") + dtype_name(t.dtype), ErrorKind::kType);
 }
 
 void check_dtype_in(const TensorRef& t, const std::string& name, std::initializer_list<DType> allowed) {
+  check_well_formed(t, name);
   std::string expected = "dtype ";
   bool first = true;
   for (DType d : allowed) {
@@ -81,11 +115,13 @@ void check_dtype_in(const TensorRef& t, const std::string& name, std::initialize
 }
 
 void check_ndim(const TensorRef& t, const std::string& name, int ndim) {
+  check_well_formed(t, name);
   check_arg(t.ndim == ndim, name, std::to_string(ndim) + "-D tensor",
             std::to_string(t.ndim) + "-D tensor of shape " + shape_string(t));
 }
 
 void check_shape(const TensorRef& t, const std::string& name, std::initializer_list<int64_t> expected) {
+  check_well_formed(t, name);
   bool ok = t.ndim == static_cast<int>(expected.size());
   std::string want = "shape [";
   int i = 0;
@@ -99,11 +135,14 @@ void check_shape(const TensorRef& t, const std::string& name, std::initializer_l
 }
 
 void check_contiguous(const TensorRef& t, const std::string& name) {
+  check_well_formed(t, name);
   check_arg(t.is_contiguous(), name, "a contiguous (row-major) tensor", "strides that are not row-major");
 }
 
 void check_same_device(const TensorRef& t, const std::string& name, const TensorRef& reference,
                        const std::string& reference_name) {
+  check_well_formed(t, name);
+  check_well_formed(reference, reference_name);
   auto where = [](const TensorRef& x) {
     return x.device == Device::kCPU ? std::string("cpu") : "cuda:" + std::to_string(x.device_index);
   };
@@ -112,12 +151,15 @@ void check_same_device(const TensorRef& t, const std::string& name, const Tensor
 }
 
 void check_aligned(const TensorRef& t, const std::string& name, int bytes) {
+  check_well_formed(t, name);
   check_arg(reinterpret_cast<uintptr_t>(t.data) % bytes == 0, name,
             "a data pointer aligned to " + std::to_string(bytes) + " bytes", "a misaligned pointer");
 }
 
 void check_no_alias(const TensorRef& out, const std::string& out_name, const TensorRef& in,
                     const std::string& in_name) {
+  check_well_formed(out, out_name);
+  check_well_formed(in, in_name);
   if (out.data == nullptr || in.data == nullptr) return;
   auto lo_o = reinterpret_cast<uintptr_t>(out.data);
   auto hi_o = lo_o + static_cast<uintptr_t>(out.numel()) * dtype_size(out.dtype);

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "qmoe/fused_moe.h"
 #include "qmoe/grouped_gemm.h"
 #include "qmoe/tactics.h"
 #include "qmoe/tensor.h"
@@ -18,7 +19,14 @@ void moe_mm_data(const TensorRef& topk_ids, TensorRef expert_offsets, TensorRef 
                  TensorRef problem_sizes2, TensorRef input_permutation, TensorRef output_permutation,
                  int64_t num_experts, int64_t n, int64_t k, cudaStream_t stream);
 
+// d bfloat16 (the public op) or float32 (fp32 epilogue, used by the fused MoE's GEMM1 only).
 void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream);
+
+// The fused MoE pipeline for quant_mode w4a8_int4 (src/cuda/fused/sm90_fused_moe_w4a8_int4.cu).
+// p validated, num_local_experts <= 1024, weights and scales 16-byte aligned; workspace: at least
+// fused_moe_workspace_layout(...).total bytes (src/cuda/fused/fused_moe_workspace.h), 256-byte aligned.
+void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, const Tactic& gemm2_tactic,
+                         void* workspace, cudaStream_t stream);
 
 // Throws kRuntime qmoe::Error with the CUDA error string when err != cudaSuccess.
 void check_cuda(cudaError_t err, const char* what);

@@ -17,6 +17,9 @@ void moe_mm_data(const TensorRef&, TensorRef, TensorRef, TensorRef, TensorRef, T
   not_built("get_cutlass_w4a8_moe_mm_data");
 }
 void w4a8_moe_mm(const W4A8MoeMmArgs&, const Tactic&, cudaStream_t) { not_built("cutlass_w4a8_moe_mm"); }
+void fused_moe_w4a8_int4(const FusedMoeParams&, const Tactic&, const Tactic&, void*, cudaStream_t) {
+  not_built("fused_moe");
+}
 void check_cuda(cudaError_t err, const char* what) {}
 
 }  // namespace qmoe::cuda

@@ -1,4 +1,4 @@
-// Bindings of the MoE ops: routing data, W4A8 grouped GEMM, fused MoE, tactics.
+// Bindings of the MoE ops: routing data, W4A8 grouped GEMM, fused MoE (+ its workspace size), tactics.
 // Python passes tensors as _C.Arg and the caller framework's stream as an integer.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -64,6 +64,56 @@ W4A8MoeMmArgs mm_args(const Arg& d, const Arg& a, const Arg& b, const Arg& a_sca
   return args;
 }
 
+FusedMoeParams fused_params(const std::string& quant_mode, const Arg& x, const Arg* x_scale, const Arg& topk_ids,
+                            const Arg& topk_weights, const Arg& w1, const Arg& w1_scale, const Arg* w1_alpha,
+                            const Arg* fc2_input_scale, const Arg& w2, const Arg& w2_scale, const Arg* w2_alpha,
+                            const Arg* per_token_scale, const Arg& output, int64_t num_experts,
+                            int64_t num_local_experts, int64_t local_expert_offset, const std::string& activation,
+                            float swiglu_alpha, float swiglu_beta, float swiglu_limit, float situ_beta,
+                            std::optional<float> situ_linear_beta, const std::string& gate_up_layout,
+                            bool deterministic, float routed_scaling_factor, const std::string& tactic) {
+  FusedMoeParams p;
+  check_arg(quant_mode_from_name(quant_mode, &p.quant_mode), "quant_mode",
+            "one of 'w4a4', 'w4a8', 'w4a16', 'w4a8_int4', 'w4a16_int4'", "'" + quant_mode + "'");
+  p.x = x.ref;
+  p.x_scale = opt(x_scale);
+  p.topk_ids = topk_ids.ref;
+  p.topk_weights = topk_weights.ref;
+  p.w1 = w1.ref;
+  p.w1_scale = w1_scale.ref;
+  p.w1_alpha = opt(w1_alpha);
+  p.fc2_input_scale = opt(fc2_input_scale);
+  p.w2 = w2.ref;
+  p.w2_scale = w2_scale.ref;
+  p.w2_alpha = opt(w2_alpha);
+  p.per_token_scale = opt(per_token_scale);
+  p.output = output.ref;
+  p.num_experts = num_experts;
+  p.num_local_experts = num_local_experts;
+  p.local_expert_offset = local_expert_offset;
+  p.activation = activation_from_name(activation);
+  p.swiglu_alpha = swiglu_alpha;
+  p.swiglu_beta = swiglu_beta;
+  p.swiglu_limit = swiglu_limit;
+  p.situ_beta = situ_beta;
+  p.situ_linear_beta = situ_linear_beta;
+  p.gate_up_layout = layout_from_name(gate_up_layout);
+  p.deterministic = deterministic;
+  p.routed_scaling_factor = routed_scaling_factor;
+  p.tactic = tactic;
+  return p;
+}
+
+// The argument names shared by fused_moe and fused_moe_workspace_size.
+#define FUSED_MOE_ARGS                                                                                              \
+  nb::arg("quant_mode"), nb::arg("x"), nb::arg("x_scale").none(), nb::arg("topk_ids"), nb::arg("topk_weights"),   \
+      nb::arg("w1"), nb::arg("w1_scale"), nb::arg("w1_alpha").none(), nb::arg("fc2_input_scale").none(),          \
+      nb::arg("w2"), nb::arg("w2_scale"), nb::arg("w2_alpha").none(), nb::arg("per_token_scale").none(),          \
+      nb::arg("output"), nb::arg("num_experts"), nb::arg("num_local_experts"), nb::arg("local_expert_offset"),    \
+      nb::arg("activation"), nb::arg("swiglu_alpha"), nb::arg("swiglu_beta"), nb::arg("swiglu_limit"),            \
+      nb::arg("situ_beta"), nb::arg("situ_linear_beta").none(), nb::arg("gate_up_layout"),                        \
+      nb::arg("deterministic"), nb::arg("routed_scaling_factor"), nb::arg("tactic")
+
 }  // namespace
 
 void bind_ops(nb::module_& m) {
@@ -116,6 +166,27 @@ void bind_ops(nb::module_& m) {
       },
       nb::arg("n"), nb::arg("k"), nb::arg("total_rows"), nb::arg("num_experts"), nb::arg("topk") = 8);
 
+  // fused_moe_workspace_size takes fused_moe's arguments minus workspace and stream (output included:
+  // the size query validates the whole call, output too, so a bad call fails before allocating).
+  m.def(
+      "fused_moe_workspace_size",
+      [](const std::string& quant_mode, const Arg& x, const Arg* x_scale, const Arg& topk_ids,
+         const Arg& topk_weights, const Arg& w1, const Arg& w1_scale, const Arg* w1_alpha,
+         const Arg* fc2_input_scale, const Arg& w2, const Arg& w2_scale, const Arg* w2_alpha,
+         const Arg* per_token_scale, const Arg& output, int64_t num_experts, int64_t num_local_experts,
+         int64_t local_expert_offset, const std::string& activation, float swiglu_alpha, float swiglu_beta,
+         float swiglu_limit, float situ_beta, std::optional<float> situ_linear_beta,
+         const std::string& gate_up_layout, bool deterministic, float routed_scaling_factor,
+         const std::string& tactic) {
+        const FusedMoeParams p = fused_params(
+            quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha, fc2_input_scale, w2, w2_scale,
+            w2_alpha, per_token_scale, output, num_experts, num_local_experts, local_expert_offset, activation,
+            swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout, deterministic,
+            routed_scaling_factor, tactic);
+        return fused_moe_workspace_size(p);
+      },
+      FUSED_MOE_ARGS);
+
   m.def(
       "fused_moe",
       [](const std::string& quant_mode, const Arg& x, const Arg* x_scale, const Arg& topk_ids,
@@ -126,48 +197,18 @@ void bind_ops(nb::module_& m) {
          float swiglu_limit, float situ_beta, std::optional<float> situ_linear_beta,
          const std::string& gate_up_layout, bool deterministic, float routed_scaling_factor,
          const std::string& tactic, const Arg* workspace, uintptr_t stream) {
-        FusedMoeParams p;
-        check_arg(quant_mode_from_name(quant_mode, &p.quant_mode), "quant_mode",
-                  "one of 'w4a4', 'w4a8', 'w4a16', 'w4a8_int4', 'w4a16_int4'", "'" + quant_mode + "'");
-        p.x = x.ref;
-        p.x_scale = opt(x_scale);
-        p.topk_ids = topk_ids.ref;
-        p.topk_weights = topk_weights.ref;
-        p.w1 = w1.ref;
-        p.w1_scale = w1_scale.ref;
-        p.w1_alpha = opt(w1_alpha);
-        p.fc2_input_scale = opt(fc2_input_scale);
-        p.w2 = w2.ref;
-        p.w2_scale = w2_scale.ref;
-        p.w2_alpha = opt(w2_alpha);
-        p.per_token_scale = opt(per_token_scale);
-        p.output = output.ref;
-        p.num_experts = num_experts;
-        p.num_local_experts = num_local_experts;
-        p.local_expert_offset = local_expert_offset;
-        p.activation = activation_from_name(activation);
-        p.swiglu_alpha = swiglu_alpha;
-        p.swiglu_beta = swiglu_beta;
-        p.swiglu_limit = swiglu_limit;
-        p.situ_beta = situ_beta;
-        p.situ_linear_beta = situ_linear_beta;
-        p.gate_up_layout = layout_from_name(gate_up_layout);
-        p.deterministic = deterministic;
-        p.routed_scaling_factor = routed_scaling_factor;
-        p.tactic = tactic;
+        const FusedMoeParams p = fused_params(
+            quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha, fc2_input_scale, w2, w2_scale,
+            w2_alpha, per_token_scale, output, num_experts, num_local_experts, local_expert_offset, activation,
+            swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout, deterministic,
+            routed_scaling_factor, tactic);
         void* ws = workspace ? workspace->ref.data : nullptr;
         const int64_t ws_bytes = workspace ? workspace->ref.numel() * dtype_size(workspace->ref.dtype) : 0;
         nb::gil_scoped_release release;
         fused_moe(p, ws, ws_bytes, as_stream(stream));
       },
-      nb::arg("quant_mode"), nb::arg("x"), nb::arg("x_scale").none(), nb::arg("topk_ids"), nb::arg("topk_weights"),
-      nb::arg("w1"), nb::arg("w1_scale"), nb::arg("w1_alpha").none(), nb::arg("fc2_input_scale").none(),
-      nb::arg("w2"), nb::arg("w2_scale"), nb::arg("w2_alpha").none(), nb::arg("per_token_scale").none(),
-      nb::arg("output"), nb::arg("num_experts"), nb::arg("num_local_experts"), nb::arg("local_expert_offset"),
-      nb::arg("activation"), nb::arg("swiglu_alpha"), nb::arg("swiglu_beta"), nb::arg("swiglu_limit"),
-      nb::arg("situ_beta"), nb::arg("situ_linear_beta").none(), nb::arg("gate_up_layout"),
-      nb::arg("deterministic"), nb::arg("routed_scaling_factor"), nb::arg("tactic"),
-      nb::arg("workspace").none(), nb::arg("stream"));
+      FUSED_MOE_ARGS, nb::arg("workspace").none(), nb::arg("stream"));
+#undef FUSED_MOE_ARGS
 }
 
 }  // namespace qmoe::python

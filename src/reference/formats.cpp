@@ -2,12 +2,15 @@
 // int4-g128 quantize / dequantize / pack and SGLang's two scale layouts, FP8 e4m3 per tensor and per
 // token, NVFP4 (e4m3 per 16 + fp32 encode scale), MXFP4 / MXFP8 (ue8m0 per 32), the FlashInfer 128x4
 // scale swizzle and its inverse, and the SGLang <-> FlashInfer gate/up row orders.
-// All tensors are CPU, contiguous and row-major; the scalar codecs live (inline) in the header so
-// GPU code rounds the same way. Every function validates everything before writing any output.
+// Tensors are contiguous and row-major; the scalar codecs live (inline) in the header so GPU code
+// rounds the same way. Every function validates everything (the checks here are shared by both
+// devices) before writing any output; then CUDA tensors go to the launchers of
+// src/cuda/quant/quant_launch.h on the caller's stream, CPU tensors to the loops below.
 #include <cmath>
 #include <cstring>
 #include <string>
 
+#include "cuda/quant/quant_launch.h"
 #include "qmoe/formats.h"
 
 namespace qmoe {
@@ -22,15 +25,21 @@ constexpr float kE2M1Max = 6.0f;
 
 // ---- argument checks ------------------------------------------------------------------------
 
+// For the functions that have no GPU version (pack / unpack, elementwise codecs).
 void check_cpu(const TensorRef& t, const std::string& name) {
-  check_arg(t.device == Device::kCPU, name, "a CPU tensor (the reference backend)",
-            "a CUDA tensor (GPU formats are not implemented here)");
-  check_arg(t.data != nullptr || t.numel() == 0, name, "a non-null data pointer", "nullptr");
+  check_arg(t.device == Device::kCPU, name, "a CPU tensor (this function has no GPU version)", "a CUDA tensor");
 }
 
-// A CPU, contiguous tensor of at least `min_ndim` axes.
+// A contiguous tensor (CPU or CUDA) of at least `min_ndim` axes, with a known device, at most
+// kMaxDims axes and no negative size (numel and every offset below rely on these).
 void check_basic(const TensorRef& t, const std::string& name, int min_ndim = 1) {
-  check_cpu(t, name);
+  check_arg(t.device == Device::kCPU || t.device == Device::kCUDA, name, "a CPU or CUDA tensor",
+            "device value " + std::to_string(static_cast<int>(t.device)));
+  check_arg(t.ndim >= 0 && t.ndim <= kMaxDims, name, "at most " + std::to_string(kMaxDims) + " axes",
+            std::to_string(t.ndim) + " axes");
+  for (int i = 0; i < t.ndim; ++i)
+    check_arg(t.shape[i] >= 0, name, "non-negative sizes", "shape " + shape_string(t));
+  check_arg(t.data != nullptr || t.numel() == 0, name, "a non-null data pointer", "nullptr");
   check_arg(t.ndim >= min_ndim, name, "a tensor of at least " + std::to_string(min_ndim) + " axes",
             std::to_string(t.ndim) + "-D tensor");
   check_contiguous(t, name);
@@ -90,7 +99,7 @@ float block_amax(const TensorRef& x, int64_t i0, int64_t n, bool* has_nan) {
 
 // ---- int4-g128 --------------------------------------------------------------------------------
 
-void quantize_int4_g128(const TensorRef& w, TensorRef q, TensorRef scales) {
+void quantize_int4_g128(const TensorRef& w, TensorRef q, TensorRef scales, cudaStream_t stream) {
   check_basic(w, "w");
   check_dtype_in(w, "w", kRealTypes);
   const int64_t k = w.size(-1);
@@ -101,9 +110,15 @@ void quantize_int4_g128(const TensorRef& w, TensorRef q, TensorRef scales) {
   check_basic(scales, "scales");
   check_dtype(scales, "scales", DType::kFloat32);
   check_like(scales, "scales", w, k / kInt4Group);
+  check_same_device(w, "w", q, "q");
+  check_same_device(scales, "scales", q, "q");
   check_no_alias(q, "q", w, "w");
   check_no_alias(scales, "scales", w, "w");
   check_no_alias(scales, "scales", q, "q");
+  if (w.is_cuda()) {
+    cuda::quantize_int4_g128(w, q, scales, stream);
+    return;
+  }
 
   const int64_t groups = rows_of(w) * (k / kInt4Group);
   for (int64_t g = 0; g < groups; ++g) {
@@ -124,7 +139,7 @@ void quantize_int4_g128(const TensorRef& w, TensorRef q, TensorRef scales) {
   }
 }
 
-void dequantize_int4_g128(const TensorRef& q, const TensorRef& scales, TensorRef out) {
+void dequantize_int4_g128(const TensorRef& q, const TensorRef& scales, TensorRef out, cudaStream_t stream) {
   check_basic(q, "q");
   check_dtype_in(q, "q", kInt4Types);
   const int64_t k = q.size(-1) * 2;
@@ -135,8 +150,14 @@ void dequantize_int4_g128(const TensorRef& q, const TensorRef& scales, TensorRef
   check_basic(out, "out");
   check_dtype(out, "out", DType::kFloat32);
   check_like(out, "out", q, k);
+  check_same_device(q, "q", out, "out");
+  check_same_device(scales, "scales", out, "out");
   check_no_alias(out, "out", q, "q");
   check_no_alias(out, "out", scales, "scales");
+  if (q.is_cuda()) {
+    cuda::dequantize_int4_g128(q, scales, out, stream);
+    return;
+  }
 
   const int64_t n = rows_of(q) * k;
   for (int64_t i = 0; i < n; i += 2) {
@@ -148,6 +169,8 @@ void dequantize_int4_g128(const TensorRef& q, const TensorRef& scales, TensorRef
 }
 
 void pack_int4(const TensorRef& values, TensorRef packed) {
+  check_cpu(values, "values");
+  check_cpu(packed, "packed");
   check_basic(values, "values");
   check_dtype(values, "values", DType::kInt8);
   const int64_t k = values.size(-1);
@@ -166,6 +189,8 @@ void pack_int4(const TensorRef& values, TensorRef packed) {
 }
 
 void unpack_int4(const TensorRef& packed, TensorRef values) {
+  check_cpu(packed, "packed");
+  check_cpu(values, "values");
   check_basic(packed, "packed");
   check_dtype_in(packed, "packed", kInt4Types);
   check_basic(values, "values");
@@ -217,9 +242,14 @@ void check_scale_pair(const TensorRef& logical, const std::string& lname, const 
 }
 }  // namespace
 
-void interleave_int4_scales(const TensorRef& scales, TensorRef out) {
+void interleave_int4_scales(const TensorRef& scales, TensorRef out, cudaStream_t stream) {
   check_scale_pair(scales, "scales", out, "out");
+  check_same_device(scales, "scales", out, "out");
   check_no_alias(out, "out", scales, "scales");
+  if (scales.is_cuda()) {
+    cuda::interleave_int4_scales(scales, out, true, stream);
+    return;
+  }
   const int64_t experts = scales.shape[0], n = scales.shape[1], g = scales.shape[2];
   const int size = dtype_size(scales.dtype);
   for (int64_t e = 0; e < experts; ++e)
@@ -229,9 +259,14 @@ void interleave_int4_scales(const TensorRef& scales, TensorRef out) {
                     size);
 }
 
-void deinterleave_int4_scales(const TensorRef& stored, TensorRef scales) {
+void deinterleave_int4_scales(const TensorRef& stored, TensorRef scales, cudaStream_t stream) {
   check_scale_pair(scales, "scales", stored, "stored");
+  check_same_device(stored, "stored", scales, "scales");
   check_no_alias(scales, "scales", stored, "stored");
+  if (stored.is_cuda()) {
+    cuda::interleave_int4_scales(scales, stored, false, stream);
+    return;
+  }
   const int64_t experts = scales.shape[0], n = scales.shape[1], g = scales.shape[2];
   const int size = dtype_size(scales.dtype);
   for (int64_t e = 0; e < experts; ++e)
@@ -258,15 +293,21 @@ bool check_fp8_scale(const TensorRef& scale, const std::string& name, const Tens
 }
 }  // namespace
 
-void quantize_fp8(const TensorRef& x, const TensorRef& scale, TensorRef q) {
+void quantize_fp8(const TensorRef& x, const TensorRef& scale, TensorRef q, cudaStream_t stream) {
   check_basic(x, "x");
   check_dtype_in(x, "x", kRealTypes);
   const bool per_row = check_fp8_scale(scale, "scale", x);
   check_basic(q, "q");
   check_dtype_in(q, "q", kE4M3Types);
   check_like(q, "q", x, x.size(-1));
+  check_same_device(x, "x", q, "q");
+  check_same_device(scale, "scale", q, "q");
   check_no_alias(q, "q", x, "x");
   check_no_alias(q, "q", scale, "scale");
+  if (x.is_cuda()) {
+    cuda::quantize_fp8(x, scale, per_row, q, stream);
+    return;
+  }
   const int64_t k = x.size(-1), n = x.numel();
   for (int64_t i = 0; i < n; ++i) {
     const float s = scale.ptr<const float>()[per_row ? i / k : 0];
@@ -276,11 +317,16 @@ void quantize_fp8(const TensorRef& x, const TensorRef& scale, TensorRef q) {
   }
 }
 
-void fp8_dynamic_scale(const TensorRef& x, TensorRef scale) {
+void fp8_dynamic_scale(const TensorRef& x, TensorRef scale, cudaStream_t stream) {
   check_basic(x, "x");
   check_dtype_in(x, "x", kRealTypes);
   const bool per_row = check_fp8_scale(scale, "scale", x);
+  check_same_device(x, "x", scale, "scale");
   check_no_alias(scale, "scale", x, "x");
+  if (x.is_cuda()) {
+    cuda::fp8_dynamic_scale(x, per_row, scale, stream);
+    return;
+  }
   const int64_t k = x.size(-1);
   const int64_t blocks = per_row ? rows_of(x) : 1;
   const int64_t len = per_row ? k : x.numel();
@@ -291,15 +337,21 @@ void fp8_dynamic_scale(const TensorRef& x, TensorRef scale) {
   }
 }
 
-void dequantize_fp8(const TensorRef& q, const TensorRef& scale, TensorRef out) {
+void dequantize_fp8(const TensorRef& q, const TensorRef& scale, TensorRef out, cudaStream_t stream) {
   check_basic(q, "q");
   check_dtype_in(q, "q", kE4M3Types);
   const bool per_row = check_fp8_scale(scale, "scale", q);
   check_basic(out, "out");
   check_dtype(out, "out", DType::kFloat32);
   check_like(out, "out", q, q.size(-1));
+  check_same_device(q, "q", out, "out");
+  check_same_device(scale, "scale", out, "out");
   check_no_alias(out, "out", q, "q");
   check_no_alias(out, "out", scale, "scale");
+  if (q.is_cuda()) {
+    cuda::dequantize_fp8(q, scale, per_row, out, stream);
+    return;
+  }
   const int64_t k = q.size(-1), n = q.numel();
   for (int64_t i = 0; i < n; ++i)
     out.ptr<float>()[i] = e4m3_to_float(cbytes(q)[i]) * scale.ptr<const float>()[per_row ? i / k : 0];
@@ -321,6 +373,8 @@ void check_block_quant(const TensorRef& x, const TensorRef& q, std::initializer_
   check_basic(sf, "sf");
   check_dtype_in(sf, "sf", sf_types);
   check_like(sf, "sf", x, k / block);
+  check_same_device(x, "x", q, "q");
+  check_same_device(sf, "sf", q, "q");
   check_no_alias(q, "q", x, "x");
   check_no_alias(sf, "sf", x, "x");
   check_no_alias(sf, "sf", q, "q");
@@ -339,6 +393,8 @@ void check_block_dequant(const TensorRef& q, std::initializer_list<DType> q_type
   check_basic(out, "out");
   check_dtype(out, "out", DType::kFloat32);
   check_like(out, "out", q, k);
+  check_same_device(q, "q", out, "out");
+  check_same_device(sf, "sf", out, "out");
   check_no_alias(out, "out", q, "q");
   check_no_alias(out, "out", sf, "sf");
 }
@@ -382,9 +438,13 @@ void dequantize_mx(const TensorRef& q, const TensorRef& sf, TensorRef out, bool 
 }
 }  // namespace
 
-void quantize_nvfp4(const TensorRef& x, float global_scale, TensorRef q, TensorRef sf) {
+void quantize_nvfp4(const TensorRef& x, float global_scale, TensorRef q, TensorRef sf, cudaStream_t stream) {
   check_block_quant(x, q, kFp4Types, 2, sf, kE4M3Types, kNvfp4Block);
   check_global_scale(global_scale);
+  if (x.is_cuda()) {
+    cuda::quantize_nvfp4(x, global_scale, q, sf, stream);
+    return;
+  }
   const int64_t blocks = x.numel() / kNvfp4Block;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t i0 = b * kNvfp4Block;
@@ -404,9 +464,14 @@ void quantize_nvfp4(const TensorRef& x, float global_scale, TensorRef q, TensorR
   }
 }
 
-void dequantize_nvfp4(const TensorRef& q, const TensorRef& sf, float global_scale, TensorRef out) {
+void dequantize_nvfp4(const TensorRef& q, const TensorRef& sf, float global_scale, TensorRef out,
+                      cudaStream_t stream) {
   check_block_dequant(q, kFp4Types, 2, sf, kE4M3Types, kNvfp4Block, out);
   check_global_scale(global_scale);
+  if (q.is_cuda()) {
+    cuda::dequantize_nvfp4(q, sf, global_scale, out, stream);
+    return;
+  }
   const int64_t n = out.numel();
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t b = cbytes(q)[i / 2];
@@ -415,21 +480,25 @@ void dequantize_nvfp4(const TensorRef& q, const TensorRef& sf, float global_scal
   }
 }
 
-void quantize_mxfp4(const TensorRef& x, TensorRef q, TensorRef sf) {
+void quantize_mxfp4(const TensorRef& x, TensorRef q, TensorRef sf, cudaStream_t stream) {
   check_block_quant(x, q, kFp4Types, 2, sf, kUE8M0Types, kMxBlock);
-  quantize_mx(x, q, sf, true);
+  if (x.is_cuda()) cuda::quantize_mx(x, q, sf, true, stream);
+  else quantize_mx(x, q, sf, true);
 }
-void dequantize_mxfp4(const TensorRef& q, const TensorRef& sf, TensorRef out) {
+void dequantize_mxfp4(const TensorRef& q, const TensorRef& sf, TensorRef out, cudaStream_t stream) {
   check_block_dequant(q, kFp4Types, 2, sf, kUE8M0Types, kMxBlock, out);
-  dequantize_mx(q, sf, out, true);
+  if (q.is_cuda()) cuda::dequantize_mx(q, sf, out, true, stream);
+  else dequantize_mx(q, sf, out, true);
 }
-void quantize_mxfp8(const TensorRef& x, TensorRef q, TensorRef sf) {
+void quantize_mxfp8(const TensorRef& x, TensorRef q, TensorRef sf, cudaStream_t stream) {
   check_block_quant(x, q, kE4M3Types, 1, sf, kUE8M0Types, kMxBlock);
-  quantize_mx(x, q, sf, false);
+  if (x.is_cuda()) cuda::quantize_mx(x, q, sf, false, stream);
+  else quantize_mx(x, q, sf, false);
 }
-void dequantize_mxfp8(const TensorRef& q, const TensorRef& sf, TensorRef out) {
+void dequantize_mxfp8(const TensorRef& q, const TensorRef& sf, TensorRef out, cudaStream_t stream) {
   check_block_dequant(q, kE4M3Types, 1, sf, kUE8M0Types, kMxBlock, out);
-  dequantize_mx(q, sf, out, false);
+  if (q.is_cuda()) cuda::dequantize_mx(q, sf, out, false, stream);
+  else dequantize_mx(q, sf, out, false);
 }
 
 // ---- 128x4 scale swizzle ------------------------------------------------------------------------
@@ -465,9 +534,14 @@ void check_swizzle_pair(const TensorRef& plain, const std::string& pname, const 
 }
 }  // namespace
 
-void swizzle_scales_128x4(const TensorRef& sf, TensorRef out) {
+void swizzle_scales_128x4(const TensorRef& sf, TensorRef out, cudaStream_t stream) {
   int64_t experts, rows, cols;
   check_swizzle_pair(sf, "sf", out, "out", &experts, &rows, &cols);
+  check_same_device(sf, "sf", out, "out");
+  if (sf.is_cuda()) {
+    cuda::swizzle_scales_128x4(sf, out, experts, rows, cols, stream);
+    return;
+  }
   const int64_t mt = (rows + 127) / 128, kt = (cols + 3) / 4;
   std::memset(out.data, 0, static_cast<size_t>(experts * mt * kt * 512));
   for (int64_t e = 0; e < experts; ++e)
@@ -476,9 +550,14 @@ void swizzle_scales_128x4(const TensorRef& sf, TensorRef out) {
         bytes(out)[swizzled_offset(e, r, c, mt, kt)] = cbytes(sf)[(e * rows + r) * cols + c];
 }
 
-void unswizzle_scales_128x4(const TensorRef& swizzled, TensorRef sf) {
+void unswizzle_scales_128x4(const TensorRef& swizzled, TensorRef sf, cudaStream_t stream) {
   int64_t experts, rows, cols;
   check_swizzle_pair(sf, "sf", swizzled, "swizzled", &experts, &rows, &cols);
+  check_same_device(swizzled, "swizzled", sf, "sf");
+  if (sf.is_cuda()) {
+    cuda::unswizzle_scales_128x4(swizzled, sf, experts, rows, cols, stream);
+    return;
+  }
   const int64_t mt = (rows + 127) / 128, kt = (cols + 3) / 4;
   for (int64_t e = 0; e < experts; ++e)
     for (int64_t r = 0; r < rows; ++r)
@@ -492,7 +571,7 @@ namespace {
 constexpr int64_t kGateUpGroup = 64;
 
 // Copies rows between conventions. to_flashinfer: out row block 2j = up block j, 2j+1 = gate block j.
-void reorder_gate_up(const TensorRef& w, TensorRef out, bool to_flashinfer) {
+void reorder_gate_up(const TensorRef& w, TensorRef out, bool to_flashinfer, cudaStream_t stream) {
   check_basic(w, "w", 2);
   check_arg(w.ndim <= 3, "w", "a 2-D [2I, C] or 3-D [E, 2I, C] tensor", std::to_string(w.ndim) + "-D tensor");
   const int64_t two_i = w.size(-2);
@@ -503,7 +582,12 @@ void reorder_gate_up(const TensorRef& w, TensorRef out, bool to_flashinfer) {
   check_arg(out.ndim == w.ndim, "out", "shape " + shape_string(w), "shape " + shape_string(out));
   for (int i = 0; i < w.ndim; ++i)
     check_arg(out.shape[i] == w.shape[i], "out", "shape " + shape_string(w), "shape " + shape_string(out));
+  check_same_device(w, "w", out, "out");
   check_no_alias(out, "out", w, "w");
+  if (w.is_cuda()) {
+    cuda::reorder_gate_up(w, out, to_flashinfer, stream);
+    return;
+  }
 
   const int64_t experts = w.ndim == 3 ? w.shape[0] : 1;
   const int64_t inter = two_i / 2;
@@ -527,8 +611,12 @@ void reorder_gate_up(const TensorRef& w, TensorRef out, bool to_flashinfer) {
 }
 }  // namespace
 
-void gate_up_sglang_to_flashinfer(const TensorRef& w, TensorRef out) { reorder_gate_up(w, out, true); }
-void gate_up_flashinfer_to_sglang(const TensorRef& w, TensorRef out) { reorder_gate_up(w, out, false); }
+void gate_up_sglang_to_flashinfer(const TensorRef& w, TensorRef out, cudaStream_t stream) {
+  reorder_gate_up(w, out, true, stream);
+}
+void gate_up_flashinfer_to_sglang(const TensorRef& w, TensorRef out, cudaStream_t stream) {
+  reorder_gate_up(w, out, false, stream);
+}
 
 // ---- elementwise codecs -------------------------------------------------------------------------
 
@@ -537,6 +625,8 @@ DType code_dtype(ScalarCodec codec) { return codec == ScalarCodec::kBF16 ? DType
 }  // namespace
 
 void encode_elementwise(const TensorRef& x, ScalarCodec codec, TensorRef codes) {
+  check_cpu(x, "x");
+  check_cpu(codes, "codes");
   check_basic(x, "x", 0);
   check_dtype(x, "x", DType::kFloat32);
   check_basic(codes, "codes", 0);
@@ -557,6 +647,8 @@ void encode_elementwise(const TensorRef& x, ScalarCodec codec, TensorRef codes) 
 }
 
 void decode_elementwise(const TensorRef& codes, ScalarCodec codec, TensorRef out) {
+  check_cpu(codes, "codes");
+  check_cpu(out, "out");
   check_basic(codes, "codes", 0);
   check_dtype(codes, "codes", code_dtype(codec));
   check_basic(out, "out", 0);

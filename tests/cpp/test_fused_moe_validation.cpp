@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fused_moe_case.h"
+#include "cuda/launch.h"
 #include "qmoe/fused_moe.h"
 
 namespace {
@@ -376,14 +377,32 @@ TEST_F(FusedMoeValidation, TacticOnCpu) {
   p.tactic = "decode_m64_n16_k128";
   expect_error(cs, p, "tactic");
 }
-TEST_F(FusedMoeValidation, CudaPathNotBuiltYet) {
-  Case cs = make(QuantMode::kW4A8Int4);
-  auto p = cs.params();
+// CUDA tensors: w4a8_int4 has a GPU pipeline (it then needs its workspace); the other modes do
+// not run on the GPU yet and say so.
+void move_to_cuda(FusedMoeParams& p) {
   for (TensorRef* t : {&p.x, &p.topk_ids, &p.topk_weights, &p.w1, &p.w1_scale, &p.w2, &p.w2_scale, &p.output})
     t->device = Device::kCUDA;
   for (auto* t : {&p.x_scale, &p.fc2_input_scale, &p.w1_alpha, &p.w2_alpha})
     if (t->has_value()) (*t)->device = Device::kCUDA;
+}
+
+TEST_F(FusedMoeValidation, CudaModesWithoutGpuPathSaySo) {
+  Case cs = make(QuantMode::kW4A16Int4);
+  auto p = cs.params();
+  move_to_cuda(p);
   expect_error(cs, p, "quant_mode", qmoe::ErrorKind::kRuntime);
+}
+
+TEST_F(FusedMoeValidation, CudaW4A8Int4NeedsItsWorkspace) {
+  Case cs = make(QuantMode::kW4A8Int4);
+  auto p = cs.params();
+  move_to_cuda(p);
+  if (qmoe::cuda::kernels_built()) {
+    EXPECT_GT(qmoe::fused_moe_workspace_size(p), 0);
+    expect_error(cs, p, "workspace", qmoe::ErrorKind::kValue);
+  } else {
+    expect_error(cs, p, "fused_moe", qmoe::ErrorKind::kRuntime);
+  }
 }
 
 }  // namespace

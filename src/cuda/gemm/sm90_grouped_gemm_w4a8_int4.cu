@@ -1,6 +1,10 @@
 // Host launcher of the W4A8 grouped GEMM (cutlass_w4a8_moe_mm semantics, DESIGN.md 3.1):
 //
-//   D[r, o] = bf16( a_scale(r) * sum_g S[e, o, g] * (sum_{k in group g} A[r, k] * q[e, o, k]) )
+//   D[r, o] = out( a_scale(r) * sum_g S[e, o, g] * (sum_{k in group g} A[r, k] * q[e, o, k]) )
+//
+// out = bf16 rounding when d is bfloat16 (the public op, validated by validate_w4a8_moe_mm), or
+// the fp32 value when d is float32 (only the fused MoE pipeline passes an fp32 d: its GEMM1 output
+// feeds the activation unrounded, DESIGN.md 3b). Each tactic is compiled for both output types.
 //
 // Kernel: sm90_grouped_gemm_w4a8_int4.cuh (swap-AB mma.sync e4m3, int4 -> e4m3 in registers,
 // one K group of 128 per pipeline stage, persistent CTAs over a device-side work list).
@@ -28,10 +32,10 @@ using w4a8::sm90_grouped_gemm_w4a8_int4_kernel;
 // a stream is being captured).
 constexpr int kMaxDevices = 64;
 
-template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
-void launch(const W4A8GemmParams& params, int64_t rows, int device, cudaStream_t stream) {
+template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
+void launch_typed(const W4A8GemmParams& params, int64_t rows, int device, cudaStream_t stream) {
   using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
-  auto kernel = sm90_grouped_gemm_w4a8_int4_kernel<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>;
+  auto kernel = sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>;
   static int slots[kMaxDevices] = {};  // CTAs that fit on the device at once, 0 = not queried
   check_arg(device >= 0 && device < kMaxDevices, "a", "a CUDA device index below 64", std::to_string(device));
   if (slots[device] == 0) {
@@ -52,6 +56,16 @@ void launch(const W4A8GemmParams& params, int64_t rows, int device, cudaStream_t
   check_cuda(cudaGetLastError(), "launch of sm90_grouped_gemm_w4a8_int4");
 }
 
+// The output type is a runtime property of d; the tile configuration is the same for both.
+template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
+void launch(const W4A8GemmParams& params, bool fp32_out, int64_t rows, int device, cudaStream_t stream) {
+  if (fp32_out) {
+    launch_typed<float, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>(params, rows, device, stream);
+  } else {
+    launch_typed<__nv_bfloat16, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>(params, rows, device, stream);
+  }
+}
+
 }  // namespace
 
 void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream) {
@@ -60,7 +74,10 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   params.b = args.b.ptr<const uint8_t>();
   params.b_scales = args.b_scales.ptr<const __nv_bfloat16>();
   params.a_scales = args.a_scales.ptr<const float>();
-  params.d = args.d.ptr<__nv_bfloat16>();
+  check_arg(args.d.dtype == DType::kBFloat16 || args.d.dtype == DType::kFloat32, "d",
+            "a bfloat16 (or, inside the fused MoE, float32) output", dtype_name(args.d.dtype));
+  const bool fp32_out = args.d.dtype == DType::kFloat32;
+  params.d = args.d.data;
   params.expert_offsets = args.expert_offsets.ptr<const int32_t>();
   params.problem_sizes = args.problem_sizes.ptr<const int32_t>();
   params.num_experts = static_cast<int>(args.expert_offsets.size(0));
@@ -96,13 +113,13 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   //   prefill n64  : 2 x 2 warps of 64 rows x 32 tokens (converted weights serve 32 columns),
   //                  2 groups per stage, 3 stages, 2 CTAs per SM.
   if (is(Family::kDecode, 128, 8, 256)) {
-    launch<4, 1, 2, 1, 2, 4, 2>(params, rows, device, stream);
+    launch<4, 1, 2, 1, 2, 4, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 16, 256)) {
-    launch<4, 1, 2, 2, 2, 4, 2>(params, rows, device, stream);
+    launch<4, 1, 2, 2, 2, 4, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 64, 32, 512)) {
-    launch<4, 1, 1, 4, 4, 3, 2>(params, rows, device, stream);
+    launch<4, 1, 1, 4, 4, 3, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kPrefill, 128, 64, 256)) {
-    launch<2, 2, 4, 4, 2, 3, 2>(params, rows, device, stream);
+    launch<2, 2, 4, 4, 2, 3, 2>(params, fp32_out, rows, device, stream);
   } else {
     throw Error("tactic", "a tactic compiled into this build (see valid_tactics)", tactic.name());
   }

@@ -1,7 +1,10 @@
-// Device code of the W4A8 grouped GEMM (int4-g128 weights x e4m3 activations -> bf16), SGLang's
-// cutlass_w4a8_moe_mm semantics (DESIGN.md 3.1):
+// Device code of the W4A8 grouped GEMM (int4-g128 weights x e4m3 activations -> bf16 or fp32),
+// SGLang's cutlass_w4a8_moe_mm semantics (DESIGN.md 3.1):
 //
-//   D[r, o] = bf16( a_scale(r) * sum_g S[e, o, g] * (sum_{k in group g} A[r, k] * q[e, o, k]) )
+//   D[r, o] = out( a_scale(r) * sum_g S[e, o, g] * (sum_{k in group g} A[r, k] * q[e, o, k]) )
+//
+// out = bf16 round-to-nearest-even (OutT = __nv_bfloat16: the public op) or the fp32 value itself
+// (OutT = float: the fused MoE's GEMM1, whose intermediate DESIGN 3b requires in fp32).
 //
 // with a fresh fp32 partial sum per 128-wide K group (one mma.sync chain), promoted into the fp32
 // accumulator by one FMA with the bf16 group scale, g increasing; a_scale(r) = a_scales[0] or
@@ -9,7 +12,7 @@
 //
 // Layouts: A e4m3 [R, K] row-major; B int4x2 [E, N, K/2] (even k in the low nibble); scales bf16
 // [E, K/512, 4N] (entry [e, kb, 4n + j] = S[e, n, 4kb + j]) when K % 512 == 0, else [E, K/128, N];
-// D bf16 [R, N]. Expert e owns rows [expert_offsets[e], + problem_sizes[e][1]); both tensors are
+// D OutT [R, N]. Expert e owns rows [expert_offsets[e], + problem_sizes[e][1]); both tensors are
 // read on the device (no host sync). Limits: K % 128 == 0, N % 8 == 0, E <= 1024, 16-byte aligned
 // base pointers.
 //
@@ -38,6 +41,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/int4_to_e4m3.cuh"
 
@@ -48,7 +52,7 @@ struct W4A8GemmParams {
   const uint8_t* b;               // int4x2 [E, N, K/2]
   const __nv_bfloat16* b_scales;  // see layouts above
   const float* a_scales;          // [1] or [R]
-  __nv_bfloat16* d;               // [R, N]
+  void* d;                        // OutT [R, N] (bf16 or fp32, the kernel's template argument)
   const int32_t* expert_offsets;  // [E]
   const int32_t* problem_sizes;   // [E, 3] (N, M_e, K)
   int num_experts;
@@ -117,6 +121,17 @@ struct Config {
   static_assert(kStageB % 128 == 0 && kStageA % 128 == 0 && kStageS % 128 == 0, "stages keep 128-byte alignment");
 };
 
+// Two adjacent output features of one row (n even, so the 4- or 8-byte store is aligned).
+__device__ __forceinline__ void store_pair(__nv_bfloat16* d, float lo, float hi) {
+  __nv_bfloat162 out;
+  out.x = __float2bfloat16_rn(lo);
+  out.y = __float2bfloat16_rn(hi);
+  *reinterpret_cast<__nv_bfloat162*>(d) = out;
+}
+__device__ __forceinline__ void store_pair(float* d, float lo, float hi) {
+  *reinterpret_cast<float2*>(d) = make_float2(lo, hi);
+}
+
 // 16-byte chunk swizzles (XOR), chosen so that the 8 lanes of a quarter warp (2 rows x 4 `tig`)
 // read 8 different bank groups: activation rows are >= 128 bytes, weight rows are 64 * GPS bytes.
 __device__ __forceinline__ int swizzle_a(int chunk, int row) { return chunk ^ (row & 7); }
@@ -125,9 +140,11 @@ __device__ __forceinline__ int swizzle_b(int chunk, int row) {
   return GPS >= 2 ? chunk ^ ((row & 1) << 2) : chunk;
 }
 
-template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
+template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
     sm90_grouped_gemm_w4a8_int4_kernel(const W4A8GemmParams p) {
+  static_assert(std::is_same<OutT, __nv_bfloat16>::value || std::is_same<OutT, float>::value,
+                "the epilogue stores bf16 (the public op) or fp32 (the fused MoE's GEMM1)");
   using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
   constexpr int kTileM = Cfg::kTileM;
   constexpr int kTileN = Cfg::kTileN;
@@ -402,8 +419,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
     }
 
     if (s == stages_per_tile - 1) {
-      // ---- Epilogue: D[row, n] = bf16(a_scale(row) * acc). Lanes gid, gid^1 swap values so that
-      // each stores two adjacent features of one token (4-byte stores).
+      // ---- Epilogue: D[row, n] = out(a_scale(row) * acc). Lanes gid, gid^1 swap values so that
+      // each stores two adjacent features of one token (4-byte bf16 / 8-byte fp32 stores).
       const TileInfo t = tile_info(it / stages_per_tile);
       const bool even = (gid & 1) == 0;
 #pragma unroll
@@ -421,10 +438,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
             if (token < t.rows && n < p.n) {
               const int row = t.row0 + token;
               const float as = p.a_scales[p.a_scales_per_row ? row : 0];
-              __nv_bfloat162 out;
-              out.x = __float2bfloat16_rn(as * lo);
-              out.y = __float2bfloat16_rn(as * hi);
-              *reinterpret_cast<__nv_bfloat162*>(p.d + static_cast<int64_t>(row) * p.n + n) = out;
+              store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, as * lo, as * hi);
             }
           }
           acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.f;

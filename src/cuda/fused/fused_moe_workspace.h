@@ -1,0 +1,63 @@
+// Scratch layout of the GPU fused MoE (quant_mode w4a8_int4; sm90_fused_moe_w4a8_int4.cu), shared
+// by qmoe::fused_moe_workspace_size (src/api/fused_moe.cpp) and the pipeline, so the size the
+// caller allocates and the offsets the kernels use cannot drift apart. Plain C++ (no CUDA types):
+// CPU-only builds compute the same size.
+//
+// S = T * top_k slots bound every per-row buffer (the real row count, expert_offsets[E_l], lives on
+// the device only). Sub-buffers, each starting at a multiple of kAlign bytes from the base:
+//   local_ids          int32 [S]        topk_ids shifted to local expert ids, -1 when not local
+//   expert_offsets     int32 [E_l + 1]  routing (qmoe::cuda::moe_mm_data on local_ids)
+//   problem_sizes1/2   int32 [E_l, 3]
+//   input_permutation  int32 [S]        row -> flat slot
+//   output_permutation int32 [S]        flat slot -> row (-1: not local)
+//   a1                 e4m3  [S, H]     GEMM1 operand, rows in expert order
+//   s1                 f32   [S]        GEMM1 per-row scale a1(t) * w1_alpha[e]
+//   h                  f32   [S, R1]    GEMM1 output (R1 = 2I gated, I for relu2), never rounded
+//   a2                 e4m3  [S, I]     GEMM2 operand e4m3(act(h) / a2)
+//   s2                 f32   [S]        GEMM2 per-row scale a2 * w2_alpha[e]
+//   y                  bf16  [S, H]     GEMM2 output rows
+//   scalars            u32   [4]        [0] amax bits of |x|, [1] amax bits of |act| (dynamic scales)
+#pragma once
+
+#include <cstdint>
+
+namespace qmoe::cuda {
+
+struct FusedMoeWorkspaceLayout {
+  static constexpr int64_t kAlign = 256;  // cudaMalloc's alignment: every sub-buffer as aligned as the base
+  static constexpr int64_t kScalars = 4;
+  int64_t local_ids = 0, expert_offsets = 0, problem_sizes1 = 0, problem_sizes2 = 0;
+  int64_t input_permutation = 0, output_permutation = 0;
+  int64_t a1 = 0, s1 = 0, h = 0, a2 = 0, s2 = 0, y = 0, scalars = 0;
+  int64_t total = 0;  // bytes
+};
+
+// slots = T * top_k, local_experts = E_l, hidden = H, inter = I, rows1 = W1 rows (2I or I).
+inline FusedMoeWorkspaceLayout fused_moe_workspace_layout(int64_t slots, int64_t local_experts, int64_t hidden,
+                                                          int64_t inter, int64_t rows1) {
+  FusedMoeWorkspaceLayout l;
+  int64_t at = 0;
+  auto take = [&at](int64_t bytes) {
+    const int64_t offset = at;
+    at += (bytes + FusedMoeWorkspaceLayout::kAlign - 1) / FusedMoeWorkspaceLayout::kAlign *
+          FusedMoeWorkspaceLayout::kAlign;
+    return offset;
+  };
+  l.local_ids = take(4 * slots);
+  l.expert_offsets = take(4 * (local_experts + 1));
+  l.problem_sizes1 = take(4 * 3 * local_experts);
+  l.problem_sizes2 = take(4 * 3 * local_experts);
+  l.input_permutation = take(4 * slots);
+  l.output_permutation = take(4 * slots);
+  l.a1 = take(slots * hidden);
+  l.s1 = take(4 * slots);
+  l.h = take(4 * slots * rows1);
+  l.a2 = take(slots * inter);
+  l.s2 = take(4 * slots);
+  l.y = take(2 * slots * hidden);
+  l.scalars = take(4 * FusedMoeWorkspaceLayout::kScalars);
+  l.total = at;
+  return l;
+}
+
+}  // namespace qmoe::cuda

@@ -1,0 +1,151 @@
+// GPU fused MoE for quant_mode w4a8_int4 (int4-g128 weights x FP8 activations; DESIGN.md 1, 3b,
+// 4, 5.2; include/qmoe/fused_moe.h): composition of simple kernels, all on `stream`, no host
+// sync, no allocation (CUDA-graph capturable). Arguments are validated by qmoe::fused_moe
+// (src/api/fused_moe.cpp), which also checks the workspace (layout: fused_moe_workspace.h).
+//
+//   1. local ids      topk_ids -> local expert ids (-1: not local)              moe_gather_quantize.cu
+//   2. routing        moe_mm_data(local ids, E_l): offsets, sizes, permutations  routing/sm90_moe_mm_data.cu
+//   3. (dynamic a1)   amax |x| over all tokens -> a1 = amax / 448 on the device  moe_gather_quantize.cu
+//   4. gather+quant   A1[r] = e4m3(x[t] / a1(t)), s1[r] = a1(t) * w1_alpha[e]    moe_gather_quantize.cu
+//   5. GEMM1          h[r] = s1[r] * W13[e] . A1[r]  (fp32 output)               gemm/sm90_grouped_gemm_w4a8_int4
+//   6. (dynamic a2)   amax |act(h)| over all valid rows                          moe_activation_requant.cu
+//   7. act + requant  A2[r] = e4m3(act(h[r]) / a2), s2[r] = a2 * w2_alpha[e]     moe_activation_requant.cu
+//   8. GEMM2          y[r] = bf16(s2[r] * W2[e] . A2[r])                         gemm/sm90_grouped_gemm_w4a8_int4
+//   9. finalize       out[t] = combine of w[t, j] * y[row(t, j)] in slot order   moe_finalize.cu
+//
+// The only zeroing is the two amax words (cudaMemsetAsync): every other workspace element a kernel
+// reads was written earlier in the same call (per-row kernels stop at expert_offsets[E_l], read on
+// the device; the GEMMs read only rows inside their expert's block).
+// Limits: E_l <= 1024 (routing scan, GEMM work list); the GEMMs' 16-byte alignment of weights and
+// scales (checked by the caller before anything runs).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/fused/fused_moe_kernels.h"
+#include "cuda/fused/fused_moe_workspace.h"
+#include "cuda/launch.h"
+#include "qmoe/error.h"
+
+namespace qmoe::cuda {
+
+namespace {
+
+// Makes `device` current for the launches and restores the caller's device afterwards.
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~CurrentDevice() {
+    int current = previous_;
+    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
+  }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+TensorRef device_tensor(void* data, DType dtype, std::initializer_list<int64_t> shape, int device) {
+  return make_tensor(data, dtype, shape, Device::kCUDA, device);
+}
+
+}  // namespace
+
+void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, const Tactic& gemm2_tactic,
+                         void* workspace, cudaStream_t stream) {
+  const int64_t tokens = p.topk_ids.size(0), topk = p.topk_ids.size(1);
+  const int64_t slots = tokens * topk;
+  const int64_t hidden = p.w2.size(1), inter = 2 * p.w2.size(2);
+  const int64_t local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
+  const bool gated = p.activation != Activation::kRelu2;
+  const int64_t rows1 = gated ? 2 * inter : inter;
+  if (tokens == 0) return;  // an empty [0, H] output: nothing to write
+  const int device = p.x.device_index;
+  CurrentDevice current(device);
+
+  const FusedMoeWorkspaceLayout layout = fused_moe_workspace_layout(slots, local, hidden, inter, rows1);
+  uint8_t* base = static_cast<uint8_t*>(workspace);
+  auto at = [base](int64_t offset) { return base + offset; };
+  int32_t* local_ids = reinterpret_cast<int32_t*>(at(layout.local_ids));
+  int32_t* offsets = reinterpret_cast<int32_t*>(at(layout.expert_offsets));
+  int32_t* sizes1 = reinterpret_cast<int32_t*>(at(layout.problem_sizes1));
+  int32_t* sizes2 = reinterpret_cast<int32_t*>(at(layout.problem_sizes2));
+  int32_t* in_perm = reinterpret_cast<int32_t*>(at(layout.input_permutation));
+  int32_t* out_perm = reinterpret_cast<int32_t*>(at(layout.output_permutation));
+  uint8_t* a1 = at(layout.a1);
+  float* s1 = reinterpret_cast<float*>(at(layout.s1));
+  float* h = reinterpret_cast<float*>(at(layout.h));
+  uint8_t* a2 = at(layout.a2);
+  float* s2 = reinterpret_cast<float*>(at(layout.s2));
+  uint16_t* y = reinterpret_cast<uint16_t*>(at(layout.y));
+  uint32_t* scalars = reinterpret_cast<uint32_t*>(at(layout.scalars));
+  uint32_t* amax_x = scalars;
+  uint32_t* amax_act = scalars + 1;
+
+  const bool dynamic_a1 = !p.x_scale.has_value();
+  const bool dynamic_a2 = !p.fc2_input_scale.has_value();
+  if (dynamic_a1 || dynamic_a2)
+    check_cuda(cudaMemsetAsync(scalars, 0, 4 * FusedMoeWorkspaceLayout::kScalars, stream),
+               "cudaMemsetAsync(fused_moe amax)");
+
+  // 1-2. Routing over the local experts.
+  fused::local_expert_ids(p.topk_ids.ptr<const int32_t>(), local_ids, slots, p.num_experts, p.local_expert_offset,
+                          local, stream);
+  moe_mm_data(device_tensor(local_ids, DType::kInt32, {slots}, device),
+              device_tensor(offsets, DType::kInt32, {local + 1}, device),
+              device_tensor(sizes1, DType::kInt32, {local, 3}, device),
+              device_tensor(sizes2, DType::kInt32, {local, 3}, device),
+              device_tensor(in_perm, DType::kInt32, {slots}, device),
+              device_tensor(out_perm, DType::kInt32, {slots}, device), local, inter, hidden, stream);
+  fused::RowRouting routing{local_ids, offsets, in_perm, static_cast<int>(local), static_cast<int>(topk), slots};
+
+  // 3-4. GEMM1's operand and per-row scale.
+  const bool x_is_e4m3 = p.x.dtype == DType::kFloat8E4M3;
+  if (dynamic_a1) fused::amax_bf16(p.x.ptr<const uint16_t>(), p.x.numel(), amax_x, stream);
+  fused::gather_quantize(routing, p.x.data, x_is_e4m3, hidden, dynamic_a1 ? nullptr : p.x_scale->ptr<const float>(),
+                         !dynamic_a1 && p.x_scale->numel() > 1, amax_x,
+                         p.w1_alpha ? p.w1_alpha->ptr<const float>() : nullptr, a1, s1, stream);
+
+  // 5. GEMM1 into fp32 h (the expert blocks come from the routing buffers on the device).
+  W4A8MoeMmArgs g1;
+  g1.d = device_tensor(h, DType::kFloat32, {slots, rows1}, device);
+  g1.a = device_tensor(a1, DType::kFloat8E4M3, {slots, hidden}, device);
+  g1.b = p.w1;
+  g1.a_scales = device_tensor(s1, DType::kFloat32, {slots}, device);
+  g1.b_scales = p.w1_scale;
+  g1.expert_offsets = device_tensor(offsets, DType::kInt32, {local}, device);
+  g1.problem_sizes = device_tensor(sizes1, DType::kInt32, {local, 3}, device);
+  g1.topk = topk;
+  w4a8_moe_mm(g1, gemm1_tactic, stream);
+
+  // 6-7. Activation and requantization.
+  fused::ActivationArgs act{p.activation,  p.gate_up_layout, p.swiglu_alpha,
+                            p.swiglu_beta, p.swiglu_limit,   p.situ_beta,
+                            p.situ_linear_beta.has_value(),  p.situ_linear_beta.value_or(1.0f)};
+  if (dynamic_a2) fused::activation_amax(routing, h, rows1, inter, act, amax_act, stream);
+  fused::activation_requant(routing, h, rows1, inter, act,
+                            dynamic_a2 ? nullptr : p.fc2_input_scale->ptr<const float>(), amax_act,
+                            p.w2_alpha ? p.w2_alpha->ptr<const float>() : nullptr, a2, s2, stream);
+
+  // 8. GEMM2 into bf16 rows.
+  W4A8MoeMmArgs g2;
+  g2.d = device_tensor(y, DType::kBFloat16, {slots, hidden}, device);
+  g2.a = device_tensor(a2, DType::kFloat8E4M3, {slots, inter}, device);
+  g2.b = p.w2;
+  g2.a_scales = device_tensor(s2, DType::kFloat32, {slots}, device);
+  g2.b_scales = p.w2_scale;
+  g2.expert_offsets = device_tensor(offsets, DType::kInt32, {local}, device);
+  g2.problem_sizes = device_tensor(sizes2, DType::kInt32, {local, 3}, device);
+  g2.topk = topk;
+  w4a8_moe_mm(g2, gemm2_tactic, stream);
+
+  // 9. Back to token order.
+  fused::finalize(y, out_perm, p.topk_weights.ptr<const float>(), tokens, static_cast<int>(topk), hidden,
+                  p.routed_scaling_factor, p.deterministic, p.output.dtype, p.output.data, stream);
+}
+
+}  // namespace qmoe::cuda

@@ -1,0 +1,396 @@
+"""GPU tests of qmoe.fused_moe for quant_mode w4a8_int4 (src/cuda/fused/, DESIGN.md 1, 3b, 4, 5.2).
+
+Every case runs the same data twice: as torch CUDA tensors (the GPU pipeline: local ids, routing,
+gather + FP8 quantize, GEMM1 with fp32 output, activation + requant, GEMM2, finalize) and as numpy
+arrays (the C++ CPU engine, src/reference/fused_moe.cpp), and compares them with qmoe.testing's
+tolerance for the mode (rel. RMS <= 1e-2; NaN where the reference is finite fails). The GPU output
+is poisoned with NaN before each run, so an unwritten element fails.
+
+Coverage: every activation (swiglu plain and gpt-oss alpha/beta/limit, geglu_tanh, relu2, situ
+with linear beta) x both finalizes x EP on/off x both gate/up layouts; T in {1, 7, 128, 515},
+top-k in {1, 2, 4, 8}, E in {8, 128, 256}; static, dynamic, per-token a1 and e4m3 x; static and
+dynamic a2; w1/w2 alphas; output dtypes; ids that are -1, out of range or non-local; a token with
+no local expert (exact zero row); all tokens on one expert; every compiled GEMM tactic forced;
+NaN propagation; Qwen3-30B-A3B and DeepSeek-V3 shapes at T = 4; deterministic mode bitwise equal
+over 5 runs and two streams; CUDA-graph capture of qmoe.fused_moe replayed with new routing; the
+workspace and quant-mode errors. Shapes stay small (the CPU engine dominates the run time)
+except the two model-shape cases.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():  # pragma: no cover - CPU-only machines
+    pytest.skip("no CUDA device", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):  # pragma: no cover
+    pytest.skip("qmoe's kernels are built for sm_90a (Hopper) only", allow_module_level=True)
+
+import ml_dtypes  # noqa: E402
+
+import qmoe  # noqa: E402
+from qmoe import _C  # noqa: E402
+from qmoe import reference as ref  # noqa: E402
+from qmoe import testing  # noqa: E402
+from qmoe._tensors import arg, current_stream  # noqa: E402
+
+DEV = torch.device("cuda")
+MODE = "w4a8_int4"
+GPT_OSS = dict(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0)
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+if not _C.kernels_built():  # pragma: no cover
+    pytest.skip("the qmoe extension under test was built without the sm_90a kernels", allow_module_level=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+def to_np(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    return t.numpy()
+
+
+def to_dev(a):
+    if not isinstance(a, np.ndarray):
+        return a
+    a = np.ascontiguousarray(a)
+    if a.dtype == ref.BF16:
+        return torch.from_numpy(a.view(np.int16)).to(DEV).view(torch.bfloat16)
+    if a.dtype == ref.E4M3:
+        return torch.from_numpy(a.view(np.uint8)).to(DEV).view(torch.float8_e4m3fn)
+    return torch.from_numpy(a).to(DEV)
+
+
+def on_device(case: dict) -> dict:
+    return {k: to_dev(v) for k, v in case.items()}
+
+
+def run_gpu(case_dev: dict, output_dtype="bfloat16", **options) -> torch.Tensor:
+    """qmoe.fused_moe on CUDA tensors into a NaN-poisoned output."""
+    tokens, hidden = case_dev["topk_ids"].shape[0], case_dev["w2"].shape[1]
+    out = torch.full((tokens, hidden), float("nan"), dtype=TORCH_DTYPES[output_dtype], device=DEV)
+    got = qmoe.fused_moe(**case_dev, out=out, **options)
+    assert got is out
+    torch.cuda.synchronize()
+    return out
+
+
+def run_cpu(case: dict, output_dtype="bfloat16", **options) -> np.ndarray:
+    return qmoe.fused_moe(**case, output_dtype=output_dtype, **options)
+
+
+def check(case: dict, output_dtype="bfloat16", what="output", tactic=None, **options):
+    """GPU vs the C++ CPU engine on the same data (tactic: forced on the GPU only; the CPU engine
+    has none); returns (gpu, cpu) as numpy arrays."""
+    gpu_options = dict(options, tactic=tactic) if tactic is not None else options
+    gpu = to_np(run_gpu(on_device(case), output_dtype, **gpu_options))
+    cpu = run_cpu(case, output_dtype, **options)
+    assert gpu.dtype == cpu.dtype, (gpu.dtype, cpu.dtype)
+    testing.assert_close(gpu, cpu, MODE, what=what)
+    return gpu, cpu
+
+
+def make_case(tokens, top_k, experts, hidden=256, inter=128, seed=0, **kw):
+    return testing.make_fused_moe_case(MODE, tokens, hidden, inter, experts, top_k, seed, **kw)
+
+
+def local_slots(case) -> np.ndarray:
+    """[T, k] bool: slot whose id is a valid local expert."""
+    ids = case["topk_ids"].astype(np.int64)
+    e_l = case["num_local_experts"] if case["num_local_experts"] is not None else case["num_experts"]
+    lo = case["local_expert_offset"]
+    return (ids >= 0) & (ids < case["num_experts"]) & (ids >= lo) & (ids < lo + e_l)
+
+
+def test_kernels_built():
+    assert _C.kernels_built()
+
+
+# ------------------------------------------------------------------------------------------------
+# activations x finalize x EP x gate/up layout
+# ------------------------------------------------------------------------------------------------
+ACTIVATION_CASES = [
+    ("swiglu", {}),
+    ("swiglu", GPT_OSS),
+    ("geglu_tanh", {}),
+    ("relu2", {}),
+    ("situ", dict(situ_beta=2.0, situ_linear_beta=3.0)),
+]
+
+
+@pytest.mark.parametrize("layout", ["gate_up", "up_gate_interleaved64"])
+@pytest.mark.parametrize("ep", [False, True], ids=["no_ep", "ep"])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fused"])
+@pytest.mark.parametrize("activation,params", ACTIVATION_CASES, ids=["swiglu", "swiglu_gpt_oss", "geglu_tanh",
+                                                                      "relu2", "situ"])
+def test_activation_finalize_ep_layout(activation, params, deterministic, ep, layout):
+    if activation == "relu2" and layout != "gate_up":
+        pytest.skip("relu2 has no gate/up halves")
+    experts = 16
+    ep_kw = dict(num_local_experts=6, local_expert_offset=5) if ep else {}
+    case = make_case(37, 4, experts, seed=len(activation) + 3 * ep, activation=activation, gate_up_layout=layout,
+                     out_of_range=3, minus_one=2, **ep_kw)
+    case.update(params)
+    # a static a2 sized for this activation's range (relu2 of O(1) inputs reaches ~20)
+    case["fc2_input_scale"] = np.array([(32.0 if activation == "relu2" else 8.0) / 448], np.float32)
+    gpu, cpu = check(case, deterministic=deterministic, routed_scaling_factor=1.5)
+    # tokens without any local slot are exact zeros on both sides
+    none = ~local_slots(case).any(axis=1)
+    assert np.all(gpu[none].astype(np.float32) == 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# problem sizes: T, top-k, E
+# ------------------------------------------------------------------------------------------------
+SIZE_CASES = [
+    # (tokens, top_k, experts)
+    (1, 1, 8), (1, 4, 128), (1, 8, 256), (7, 2, 8), (7, 4, 256), (7, 8, 128), (128, 1, 256), (128, 4, 128),
+    (128, 8, 256), (515, 1, 8), (515, 2, 128), (515, 8, 256),
+]
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", SIZE_CASES)
+def test_sizes(tokens, top_k, experts):
+    case = make_case(tokens, top_k, experts, seed=tokens + top_k + experts)
+    check(case, deterministic=(tokens + top_k) % 2 == 0)
+
+
+@pytest.mark.parametrize("hidden,inter", [(128, 128), (512, 256), (384, 640), (256, 512)])
+def test_hidden_and_inter_sizes(hidden, inter):
+    """Both weight-scale layouts ([E, K/512, 4N] when K % 512 == 0, else [E, K/128, N]) on both GEMMs."""
+    case = make_case(19, 2, 8, hidden=hidden, inter=inter, seed=hidden + inter)
+    check(case, deterministic=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# activation scales, alphas, output dtypes
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("a2", ["static", "dynamic"])
+@pytest.mark.parametrize("a1", ["static", "dynamic", "per_token", "e4m3_x"])
+def test_activation_scales(a1, a2):
+    case = make_case(29, 4, 8, seed=11)
+    x = case["x"].astype(np.float32)
+    if a1 == "dynamic":
+        case["x_scale"] = None
+    elif a1 == "per_token":
+        amax = np.max(np.abs(x), axis=1)
+        # per-token scales a little above amax/448 and not all equal
+        case["x_scale"] = (amax / 448 * np.linspace(1.0, 1.5, x.shape[0])).astype(np.float32)
+    elif a1 == "e4m3_x":
+        case["x"] = ref.quantize_fp8(x, case["x_scale"])  # e4m3, saturating
+    if a2 == "dynamic":
+        case["fc2_input_scale"] = None
+    check(case, deterministic=True)
+    check(case, deterministic=False)
+
+
+def test_alphas():
+    case = make_case(23, 4, 8, seed=12)
+    rng = np.random.default_rng(3)
+    case["w1_alpha"] = rng.uniform(0.5, 2.0, 8).astype(np.float32)
+    case["w2_alpha"] = rng.uniform(0.5, 2.0, 8).astype(np.float32)
+    case["fc2_input_scale"] = None  # dynamic a2 sees the scaled activations
+    check(case, deterministic=True)
+    check(case, deterministic=False)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fused"])
+@pytest.mark.parametrize("output_dtype", ["bfloat16", "float16", "float32"])
+def test_output_dtypes(output_dtype, deterministic):
+    case = make_case(21, 4, 8, seed=13)
+    check(case, output_dtype=output_dtype, deterministic=deterministic, routed_scaling_factor=2.5)
+
+
+# ------------------------------------------------------------------------------------------------
+# routing edge cases
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fused"])
+def test_token_without_local_expert_is_zero(deterministic):
+    experts, tokens, top_k = 16, 9, 2
+    case = make_case(tokens, top_k, experts, seed=14, num_local_experts=4, local_expert_offset=8,
+                     expert_range=(8, 12))
+    ids = case["topk_ids"].copy()
+    ids[2] = [0, 15]     # both non-local
+    ids[5] = [-1, 99]    # dropped
+    ids[7] = [3, -5]     # non-local and dropped
+    case["topk_ids"] = ids
+    gpu, cpu = check(case, deterministic=deterministic)
+    for t in (2, 5, 7):
+        assert np.all(gpu[t].astype(np.float32) == 0), f"token {t} should be an exact zero row"
+        assert np.all(cpu[t].astype(np.float32) == 0)
+    assert np.any(gpu[0].astype(np.float32) != 0)
+
+
+def test_no_local_slot_at_all():
+    case = make_case(5, 2, 16, seed=15, num_local_experts=4, local_expert_offset=0, expert_range=(8, 16))
+    gpu = to_np(run_gpu(on_device(case), deterministic=True))
+    assert np.all(gpu.astype(np.float32) == 0)
+
+
+@pytest.mark.parametrize("tokens,top_k", [(64, 4), (300, 1)])
+def test_all_tokens_on_one_expert(tokens, top_k):
+    """Every slot on expert 3 (the same expert twice in a token counts twice)."""
+    ids = np.full((tokens, top_k), 3, np.int32)
+    w = np.random.default_rng(tokens).uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+    case = make_case(tokens, top_k, 8, seed=16, routing=(ids, w))
+    check(case, deterministic=True)
+    check(case, deterministic=False)
+
+
+def test_hot_expert_and_empty_expert():
+    case = make_case(70, 4, 8, seed=17, hot_expert=2, empty_expert=5)
+    check(case, deterministic=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# tactics, NaN, model shapes
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tactic", qmoe.valid_tactics(256, 256, 64, 8))
+def test_forced_tactic(tactic):
+    """Each compiled GEMM tactic, in both GEMMs (GEMM1 with the fp32 epilogue)."""
+    case = make_case(41, 4, 8, seed=18)
+    check(case, deterministic=True, tactic=tactic)
+
+
+def test_unknown_tactic_raises():
+    case = on_device(make_case(3, 2, 8, seed=19))
+    with pytest.raises(Exception, match="tactic"):
+        run_gpu(case, tactic="decode_m1_n1_k1")
+
+
+def test_nan_propagates():
+    """A NaN in one token's x (static a1, a2) gives NaN exactly where the CPU engine has it."""
+    case = make_case(12, 2, 8, seed=20)
+    x = case["x"].copy()
+    x[4, 17] = np.nan
+    case["x"] = x
+    gpu = to_np(run_gpu(on_device(case), deterministic=True)).astype(np.float32)
+    cpu = run_cpu(case, deterministic=True).astype(np.float32)
+    assert np.array_equal(np.isnan(gpu), np.isnan(cpu))
+    assert np.isnan(cpu[4]).all()
+    finite = ~np.isnan(cpu).any(axis=1)
+    testing.assert_close(gpu[finite], cpu[finite], MODE)
+
+
+def test_nan_with_dynamic_scales_propagates_everywhere():
+    case = make_case(6, 2, 8, seed=21)
+    x = case["x"].copy()
+    x[1, 3] = np.nan
+    case["x"] = x
+    case["x_scale"] = None
+    gpu = to_np(run_gpu(on_device(case), deterministic=True)).astype(np.float32)
+    cpu = run_cpu(case, deterministic=True).astype(np.float32)
+    assert np.array_equal(np.isnan(gpu), np.isnan(cpu))
+
+
+@pytest.mark.parametrize("model", ["qwen3_30b_a3b", "deepseek_v3"])
+def test_model_shapes(model):
+    """T = 4. DeepSeek-V3 runs as one EP rank of 16 local experts (its full int4 weights are 3.8 GB
+    in numpy); routing draws half the slots around the local range."""
+    experts, top_k, hidden, inter = testing.MODEL_SHAPES[model]
+    if model == "deepseek_v3":
+        kw = dict(num_local_experts=16, local_expert_offset=64, expert_range=(56, 88))
+    else:
+        kw = {}
+    case = testing.make_fused_moe_case(MODE, 4, hidden, inter, experts, top_k, seed=22, **kw)
+    check(case, deterministic=True, what=model)
+    check(case, deterministic=False, what=model)
+
+
+# ------------------------------------------------------------------------------------------------
+# determinism, streams, CUDA graphs
+# ------------------------------------------------------------------------------------------------
+def test_deterministic_bitwise_over_runs_and_streams():
+    case = on_device(make_case(130, 8, 16, seed=23, out_of_range=5))
+    case["fc2_input_scale"] = None
+    first = run_gpu(case, deterministic=True)
+    for _ in range(4):
+        again = run_gpu(case, deterministic=True)
+        assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = torch.full_like(first, float("nan"))
+        qmoe.fused_moe(**case, out=out, deterministic=True)
+    side.synchronize()
+    assert torch.equal(first.view(torch.int16), out.view(torch.int16))
+
+
+def test_graph_capture_replays_with_new_routing():
+    tokens, top_k, experts = 48, 4, 16
+    base = make_case(tokens, top_k, experts, seed=24)
+    dev = on_device(base)
+    out = torch.empty((tokens, 256), dtype=torch.bfloat16, device=DEV)
+
+    def body():
+        qmoe.fused_moe(**dev, out=out, deterministic=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()  # warm-up outside the capture (lazy loading, function attributes)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+
+    for seed, kw in [(1, {}), (2, dict(hot_expert=3)), (3, dict(out_of_range=20, minus_one=10)), (4, {})]:
+        ids, w = testing.make_routing(tokens, top_k, experts, seed, **kw)
+        dev["topk_ids"].copy_(torch.from_numpy(ids))
+        dev["topk_weights"].copy_(torch.from_numpy(w))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        case = dict(base, topk_ids=ids, topk_weights=w)
+        testing.assert_close(to_np(out), run_cpu(case, deterministic=True), MODE, what=f"replay {seed}")
+
+
+# ------------------------------------------------------------------------------------------------
+# errors
+# ------------------------------------------------------------------------------------------------
+def _raw_args(case_dev: dict, out: torch.Tensor):
+    """fused_moe's positional _C arguments (as qmoe.ops builds them), without workspace/stream."""
+    c = case_dev
+    return (MODE, arg(c["x"]), arg(c.get("x_scale")), arg(c["topk_ids"]), arg(c["topk_weights"]), arg(c["w1"]),
+            arg(c["w1_scale"]), None, arg(c.get("fc2_input_scale")), arg(c["w2"]), arg(c["w2_scale"]), None, None,
+            arg(out), c["num_experts"], c["num_experts"], 0, "swiglu", 1.0, 0.0,
+            float(np.finfo(np.float32).max), 1.0, None, "gate_up", True, 1.0, "")
+
+
+def test_workspace_size_and_errors():
+    dev = on_device(make_case(5, 2, 8, seed=25))
+    out = torch.full((5, 256), float("nan"), dtype=torch.bfloat16, device=DEV)
+    args = _raw_args(dev, out)
+    need = _C.fused_moe_workspace_size(*args)
+    assert need > 0
+    stream = current_stream(out)
+    # no workspace, one byte short: 'workspace' errors, output untouched
+    for ws in (None, torch.empty(need - 1, dtype=torch.uint8, device=DEV)):
+        with pytest.raises(Exception, match="workspace"):
+            _C.fused_moe(*args, arg(ws), stream)
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all()
+    # misaligned workspace
+    big = torch.empty(need + 256, dtype=torch.uint8, device=DEV)
+    with pytest.raises(Exception, match="workspace"):
+        _C.fused_moe(*args, arg(big[1:need + 1]), stream)
+    # exactly the size is enough
+    ws = torch.empty(need, dtype=torch.uint8, device=DEV)
+    _C.fused_moe(*args, arg(ws), stream)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all()
+
+
+def test_other_quant_modes_raise_on_gpu():
+    case = on_device(testing.make_fused_moe_case("w4a16_int4", 3, 256, 128, 8, 2, seed=26))
+    with pytest.raises(Exception, match="not available on the GPU"):
+        run_gpu(case)
