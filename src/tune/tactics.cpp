@@ -42,6 +42,8 @@ const std::vector<Tactic>& compiled() {
   static const std::vector<Tactic> list = {
       make(Family::kDecode, 128, 8, 256), make(Family::kDecode, 128, 16, 256), make(Family::kDecode, 64, 32, 512),
       make(Family::kPrefill, 128, 64, 256),
+      // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
+      make(Family::kPrefill, 128, 128, 128),
   };
   return list;
 }
@@ -61,6 +63,7 @@ bool log_enabled() {
 // is no measurement yet: 32 keeps n16 while it needs at most ~2 token tiles per expert.
 constexpr int64_t kDecodeN8MaxRows = 4;
 constexpr int64_t kDecodeN16MaxRows = 32;
+constexpr int64_t kPrefillN64MaxRows = 95;  // from 96 rows the 128-token WGMMA tile is >= 75% full
 
 std::string Tactic::name() const {
   std::string s = family == Family::kDecode ? "decode" : "prefill";
@@ -86,8 +89,12 @@ Tactic select_tactic(const GemmProblem& problem) {
     t = make(Family::kDecode, 128, 8, 256);
   } else if (rows_per_expert <= kDecodeN16MaxRows) {
     t = make(Family::kDecode, 128, 16, 256);
-  } else {
+  } else if (rows_per_expert <= kPrefillN64MaxRows) {
     t = make(Family::kPrefill, 128, 64, 256);
+  } else {
+    // WGMMA: 1.87x (GEMM1) / 1.81x (GEMM2) faster than prefill_m128_n64_k256 at 128 rows per
+    // expert, DeepSeek-V3 shapes, H200 (bench/results/2026-11-30_h200_wgmma_prefill_check.log).
+    t = make(Family::kPrefill, 128, 128, 128);
   }
   if (log_enabled()) {
     static std::mutex mutex;

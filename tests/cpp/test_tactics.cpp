@@ -1,5 +1,5 @@
 // Tests of the W4A8 grouped-GEMM tactics (src/tune/tactics.cpp): the heuristic at each threshold
-// (estimated rows per expert = ceil(total_rows / num_experts): 4 | 32), the compiled
+// (estimated rows per expert = ceil(total_rows / num_experts): 4 | 32 | 95), the compiled
 // list, name round trips and errors.
 #include <gtest/gtest.h>
 
@@ -36,11 +36,17 @@ TEST(Tactics, DecodeN16Boundaries) {
   EXPECT_EQ(chosen(32 * 256), "decode_m128_n16_k256");
 }
 
-TEST(Tactics, PrefillAboveThirtyTwoRows) {
+TEST(Tactics, PrefillN64From33To95Rows) {
   EXPECT_EQ(chosen(32 * 256 + 1), "prefill_m128_n64_k256");
   EXPECT_EQ(qmoe::select_tactic(problem(32 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
-  EXPECT_EQ(chosen(32768), "prefill_m128_n64_k256");
-  EXPECT_EQ(chosen(100000, 1), "prefill_m128_n64_k256");
+  EXPECT_EQ(chosen(95 * 256), "prefill_m128_n64_k256");
+}
+
+TEST(Tactics, WgmmaPrefillFrom96Rows) {
+  EXPECT_EQ(chosen(95 * 256 + 1), "prefill_m128_n128_k128");
+  EXPECT_EQ(chosen(32768), "prefill_m128_n128_k128");  // DeepSeek-V3 T=4096, top-8
+  EXPECT_EQ(chosen(100000, 1), "prefill_m128_n128_k128");
+  EXPECT_EQ(qmoe::select_tactic(problem(32768)).family, qmoe::Tactic::Family::kPrefill);
 }
 
 TEST(Tactics, EstimateUsesExpertCount) {
@@ -75,7 +81,7 @@ TEST(Tactics, NoValidTacticOutsideLimits) {
 
 TEST(Tactics, NameRoundTrip) {
   auto valid = qmoe::valid_tactics(problem(8));
-  EXPECT_EQ(valid.size(), 4u);
+  EXPECT_EQ(valid.size(), 5u);
   for (const auto& t : valid) {
     EXPECT_EQ(qmoe::parse_tactic(t.name()), t);
     EXPECT_EQ(qmoe::parse_tactic(t.name()).name(), t.name());
@@ -89,7 +95,7 @@ TEST(Tactics, NameRoundTrip) {
 }
 
 TEST(Tactics, UnknownNameThrows) {
-  for (const char* bad : {"", "decode", "decode_m128_n16_k128", "prefill_m128_n128_k128", "decode_m128_n8_k256_s2", "fast"}) {
+  for (const char* bad : {"", "decode", "decode_m128_n16_k128", "prefill_m128_n256_k128", "decode_m128_n8_k256_s2", "fast"}) {
     try {
       qmoe::parse_tactic(bad);
       FAIL() << "no error for '" << bad << "'";

@@ -48,6 +48,8 @@ def test_opcheck_sglang_ops():
     ids, outs, a, b, s, a_scales, strides_k, strides_n, experts, n, k = _gemm_inputs("cuda")
     torch.library.opcheck(torch.ops.qmoe.get_cutlass_w4a8_moe_mm_data.default,
                           (ids, *outs.values(), experts, n // 2, k))
+    # opcheck may run the op on copies: fill the routing outputs the GEMM reads for real.
+    torch.ops.qmoe.get_cutlass_w4a8_moe_mm_data(ids, *outs.values(), experts, n // 2, k)
     d = torch.empty(a.shape[0], n, dtype=torch.bfloat16, device="cuda")
     torch.library.opcheck(torch.ops.qmoe.cutlass_w4a8_moe_mm.default,
                           (d, a, b, a_scales, s, outs["expert_offsets"][:-1], outs["problem_sizes1"], strides_k,

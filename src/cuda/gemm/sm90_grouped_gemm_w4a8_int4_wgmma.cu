@@ -1,0 +1,316 @@
+// Hopper WGMMA prefill kernel of the W4A8 grouped GEMM (cutlass_w4a8_moe_mm), SGLang semantics:
+//
+//   D[r, o] = bf16( a_scale(r) * sum_g S[e, o, g] * (sum_{k in group g} A[r, k] * q[e, o, k]) )
+//
+// a fresh fp32 partial per 128-wide K group (four wgmma m64n128k32 with the first one not
+// accumulating), then one fp32 FMA with the bf16 group scale into the main accumulator, g increasing.
+//
+// Structure: swap-AB. The wgmma M side (64 rows per warpgroup, 2 warpgroups = 128 rows per CTA
+// tile) holds weight rows: int4 codes are turned into e4m3 in registers (every int4 value is exact
+// in e4m3) and fed as the register A operand; the N side holds 128 token rows of activations, read
+// by the tensor cores from shared memory (B operand, K-major, 128-byte swizzle). One pipeline stage
+// is one K group: 16 KB of activations, 8 KB of weights, the tile's scales; cp.async fills STAGES of
+// them ahead, across tile boundaries. A persistent grid walks the (expert, feature tile, token tile)
+// list built in shared memory from the device-side problem sizes, so empty experts cost nothing.
+// Limits (checked by the caller): K % 128 == 0, N % 8 == 0, E <= 1024, 16-byte aligned pointers.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/common/int4_to_e4m3.cuh"
+#include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
+
+namespace qmoe::cuda {
+namespace wgmma_prefill {
+
+constexpr int kThreads = 256;  // two warpgroups, both load and compute
+constexpr int kTileM = 128;    // weight rows (64 per warpgroup: the wgmma M)
+constexpr int kTileN = 128;    // token rows (the wgmma N)
+constexpr int kGroup = 128;    // K per stage: one quantization group
+constexpr int kStages = 4;     // 4 x 25 KB: deep enough to cover HBM latency, one CTA per SM
+constexpr int kMaxExperts = 1024;
+constexpr int kStageA = kTileN * kGroup;       // activations, 128 rows x 128 bytes (1024-aligned)
+constexpr int kStageW = kTileM * kGroup / 2;   // weights, 128 rows x 64 bytes
+constexpr int kStageS = kTileM * 8;            // scales: packed-4 rows of 8 bytes (packed-1 uses 256 bytes)
+constexpr int kStageBytes = kStageA + kStageW + kStageS;
+static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
+constexpr int kTileStartBytes = (kMaxExperts + 1) * 4 + 32 * 4;  // tile prefix + warp totals
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kTileStartBytes;  // + alignment slack
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// wgmma descriptor of a K-major operand tile with 128-byte swizzle: rows of 128 bytes, 8-row
+// atoms 1024 bytes apart (stride byte offset); the leading byte offset is unused with swizzling.
+__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_addr) {
+  uint64_t desc = (smem_addr & 0x3FFFF) >> 4;
+  desc |= uint64_t{1} << 16;            // leading byte offset (unused, 1 by convention)
+  desc |= uint64_t{1024 >> 4} << 32;    // stride byte offset
+  desc |= uint64_t{1} << 62;            // 128-byte swizzle
+  return desc;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// NOTE: keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma.
+__device__ __forceinline__ void fence_operands(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64 x 128 fp32 per warpgroup) (+)= A (64 x 32 e4m3, registers) * B^T (128 x 32 e4m3, smem).
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                 uint32_t a3, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(accumulate));
+}
+
+// Four int4 (nibble i of v = K index i) -> four e4m3 bytes (byte i), exact.
+__device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
+  return int4x4_to_e4m3x4(v & 0x7777u, 0x3210u | ((v >> 1) & 0x4444u));
+}
+
+struct Tile {
+  int expert, n0, row0, rows;
+};
+
+__device__ __forceinline__ void store_out(__nv_bfloat16* out, float v) { *out = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_out(float* out, float v) { *out = v; }
+
+template <class OutT>
+__global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  // 1024-byte alignment for the swizzled activation tiles.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* stages = smem;
+  int32_t* tile_start = reinterpret_cast<int32_t*>(smem + kStages * kStageBytes);
+  int32_t* warp_total = tile_start + kMaxExperts + 1;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int E = p.num_experts;
+  const int n_tiles = (p.n + kTileM - 1) / kTileM;
+  const int groups = p.k / kGroup;
+
+  // ---- Work list: expert e has ceil(M_e / 128) * n_tiles tiles; exclusive prefix in smem.
+  {
+    constexpr int kPer = kMaxExperts / kThreads;
+    int count[kPer];
+    int local = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = tid * kPer + i;
+      const int m = e < E ? max(p.problem_sizes[3 * e + 1], 0) : 0;
+      count[i] = (m + kTileN - 1) / kTileN * n_tiles;
+      local += count[i];
+    }
+    int incl = local;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += v;
+    }
+    if (lane == 31) warp_total[warp] = incl;
+    __syncthreads();
+    int run = incl - local;
+    for (int w = 0; w < warp; ++w) run += warp_total[w];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = tid * kPer + i;
+      if (e < E) tile_start[e] = run;
+      run += count[i];
+    }
+    if (tid == kThreads - 1) tile_start[E] = run;
+    __syncthreads();
+  }
+  const int total_tiles = tile_start[E];
+  if (static_cast<int>(blockIdx.x) >= total_tiles) return;
+  const int my_tiles = (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
+  const int total_iters = my_tiles * groups;
+
+  auto tile_of = [&](int tile_iter) {
+    const int tile = blockIdx.x + tile_iter * gridDim.x;
+    int lo = 0, hi = E - 1;  // last expert whose first tile is <= tile (empty experts share starts)
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    const int local = tile - tile_start[lo];
+    const int m = p.problem_sizes[3 * lo + 1];
+    const int token_tiles = (m + kTileN - 1) / kTileN;
+    const int ntile = local / token_tiles, ttile = local - ntile * token_tiles;
+    Tile t;
+    t.expert = lo;
+    t.n0 = ntile * kTileM;
+    t.row0 = p.expert_offsets[lo] + ttile * kTileN;
+    t.rows = min(kTileN, m - ttile * kTileN);
+    return t;
+  };
+
+  // ---- Producer: fixed (row, chunk) slots per thread.
+  const int64_t w_row_bytes = p.k / 2;
+  const int a_row = tid >> 3, a_chunk = tid & 7;  // + 32 rows per pass, 4 passes
+  const int w_row = tid >> 2, w_chunk = tid & 3;  // + 64 rows per pass, 2 passes
+  Tile load_tile{0, 0, 0, 0};
+  auto issue_loads = [&](int it) {
+    const int g = it % groups;
+    if (g == 0) load_tile = tile_of(it / groups);
+    const Tile& t = load_tile;
+    uint8_t* st = stages + (it % kStages) * kStageBytes;
+    const uint32_t sa = smem_u32(st), sw = sa + kStageA, ss = sw + kStageW;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = a_row + 32 * i;
+      const bool valid = r < t.rows;
+      const uint8_t* src = valid ? p.a + static_cast<int64_t>(t.row0 + r) * p.k + g * kGroup + a_chunk * 16 : p.a;
+      cp_async_16(sa + r * kGroup + ((a_chunk ^ (r & 7)) << 4), src, valid);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = w_row + 64 * i;
+      const bool valid = t.n0 + r < p.n;
+      const uint8_t* src =
+          valid ? p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + r) * w_row_bytes + g * (kGroup / 2) + w_chunk * 16
+                : p.b;
+      cp_async_16(sw + r * (kGroup / 2) + w_chunk * 16, src, valid);
+    }
+    if (p.scales_packed4) {
+      // Row pair (2 tid, 2 tid + 1): their 8-byte blocks of the 512-wide K block holding group g.
+      if (tid < kTileM / 2) {
+        const bool valid = t.n0 + 2 * tid < p.n;
+        const __nv_bfloat16* src =
+            valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / 512) + g / 4) * 4 * p.n + 4 * (t.n0 + 2 * tid)
+                  : p.b_scales;
+        cp_async_16(ss + tid * 16, src, valid);
+      }
+    } else if (tid < kTileM / 8) {
+      const bool valid = t.n0 + 8 * tid < p.n;
+      const __nv_bfloat16* src =
+          valid ? p.b_scales + (static_cast<int64_t>(t.expert) * groups + g) * p.n + t.n0 + 8 * tid : p.b_scales;
+      cp_async_16(ss + tid * 16, src, valid);
+    }
+  };
+
+  // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {gid, gid + 8}.
+  const int gid = lane >> 2, tig = lane & 3;
+  const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + gid, r1 = r0 + 8;
+  float acc[64], part[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < total_iters) issue_loads(s);
+    cp_async_commit();
+  }
+  for (int it = 0; it < total_iters; ++it) {
+    cp_async_wait<kStages - 2>();
+    // NOTE: the tensor cores read shared memory through the async proxy: make this thread's
+    // cp.async writes visible to it, then the barrier publishes every thread's part of the stage
+    // (and retires stage it - 1, whose wgmmas all completed before their warpgroup got here).
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    if (it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
+    cp_async_commit();
+
+    const uint8_t* st = stages + (it % kStages) * kStageBytes;
+    const uint8_t* sw = st + kStageA;
+    const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(sw + kStageW);
+    const int g = it % groups;
+    // Weights: the 64 bytes (128 int4) of rows r0 and r1 in this group.
+    uint4 w0[4], w1[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      w0[c] = reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2))[c];
+      w1[c] = reinterpret_cast<const uint4*>(sw + r1 * (kGroup / 2))[c];
+    }
+    // K step s (32 K = 16 bytes of a row): this thread's A registers hold K 4 tig..+3 (bytes
+    // 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then r1.
+    uint32_t a[4][4];
+    const int shift = (tig & 1) * 16;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const uint32_t lo0 = (tig & 2) ? w0[s].y : w0[s].x, hi0 = (tig & 2) ? w0[s].w : w0[s].z;
+      const uint32_t lo1 = (tig & 2) ? w1[s].y : w1[s].x, hi1 = (tig & 2) ? w1[s].w : w1[s].z;
+      a[s][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
+      a[s][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
+      a[s][2] = int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
+      a[s][3] = int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
+    }
+    const uint64_t desc = make_desc_sw128(smem_u32(st));
+    wgmma_fence();
+    fence_operands(part);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) wgmma_m64n128k32(part, a[s][0], a[s][1], a[s][2], a[s][3], desc + 2 * s, s > 0);
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_operands(part);
+    // Group promotion (fp32 FMA with the bf16 scale of the row, g increasing).
+    const float s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
+    const float s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      acc[4 * j + 0] = fmaf(s0, part[4 * j + 0], acc[4 * j + 0]);
+      acc[4 * j + 1] = fmaf(s0, part[4 * j + 1], acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(s1, part[4 * j + 2], acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(s1, part[4 * j + 3], acc[4 * j + 3]);
+    }
+
+    if (g == groups - 1) {
+      // Epilogue: accumulator (row r, token column 8 j + 2 tig + h) -> D[token, feature].
+      const Tile t = tile_of(it / groups);
+      const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int c = 8 * j + 2 * tig + h;
+          if (c < t.rows) {
+            const int64_t row = t.row0 + c;
+            const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
+            OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
+            if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
+            if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
+          }
+          acc[4 * j + h] = 0.f;
+          acc[4 * j + 2 + h] = 0.f;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace wgmma_prefill
+
+namespace {
+template <class OutT>
+void launch_typed(const WgmmaGemmParams& params, cudaStream_t stream) {
+  auto kernel = wgmma_prefill::kernel<OutT>;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, wgmma_prefill::kSmemBytes),
+             "cudaFuncSetAttribute(w4a8 wgmma prefill)");
+  int device = 0, sms = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  kernel<<<sms, wgmma_prefill::kThreads, wgmma_prefill::kSmemBytes, stream>>>(params);
+  check_cuda(cudaGetLastError(), "w4a8 wgmma prefill launch");
+}
+}  // namespace
+
+void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, bool fp32_out, cudaStream_t stream) {
+  static_assert(wgmma_prefill::kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
+  if (fp32_out) launch_typed<float>(params, stream);
+  else launch_typed<__nv_bfloat16>(params, stream);
+}
+
+}  // namespace qmoe::cuda
