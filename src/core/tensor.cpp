@@ -50,7 +50,7 @@ static void check_well_formed(const TensorRef& t, const std::string& name) {
     if (t.shape[i] == 0) empty = true;
   }
   for (int i = 0; i < t.ndim && !empty; ++i) {
-    check_arg(t.shape[i] <= kMaxBytes / bytes, name, "fewer than 2^62 bytes", "shape " + shape_string(t));
+    check_arg(t.shape[i] <= kMaxBytes / bytes, name, "at most 2^62 bytes", "shape " + shape_string(t));
     bytes *= t.shape[i];
   }
 }
