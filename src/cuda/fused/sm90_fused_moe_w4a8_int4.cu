@@ -24,30 +24,13 @@
 
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/fused/fused_moe_workspace.h"
+#include "cuda/common/device_guard.h"
 #include "cuda/launch.h"
 #include "qmoe/error.h"
 
 namespace qmoe::cuda {
 
 namespace {
-
-// Makes `device` current for the launches and restores the caller's device afterwards.
-class CurrentDevice {
- public:
-  explicit CurrentDevice(int device) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~CurrentDevice() {
-    int current = previous_;
-    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
-  }
-  CurrentDevice(const CurrentDevice&) = delete;
-  CurrentDevice& operator=(const CurrentDevice&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 TensorRef device_tensor(void* data, DType dtype, std::initializer_list<int64_t> shape, int device) {
   return make_tensor(data, dtype, shape, Device::kCUDA, device);
@@ -65,7 +48,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   const int64_t rows1 = gated ? 2 * inter : inter;
   if (tokens == 0) return;  // an empty [0, H] output: nothing to write
   const int device = p.x.device_index;
-  CurrentDevice current(device);
+  DeviceGuard current(device);
 
   const FusedMoeWorkspaceLayout layout = fused_moe_workspace_layout(slots, local, hidden, inter, rows1);
   uint8_t* base = static_cast<uint8_t*>(workspace);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda/common/device_guard.h"
 #include "qmoe/error.h"
 #include "qmoe/formats.h"
 #include "qmoe/tensor.h"
@@ -27,24 +28,6 @@ inline unsigned grid_for(int64_t work_items, int threads = kThreads) {
   const int64_t blocks = (work_items + threads - 1) / threads;
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(blocks, kMaxBlocks)));
 }
-
-// Makes `device` current for the launches of one call and restores the caller's device after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int current = previous_;
-    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 // Throws (kRuntime) when the launch just made failed (bad configuration, no kernel image, ...).
 inline void check_launch(const char* what) { check_cuda(cudaGetLastError(), what); }

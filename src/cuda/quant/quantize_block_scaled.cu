@@ -165,7 +165,7 @@ __global__ void dequantize_int4_g128_kernel(const uint8_t* __restrict__ q, const
 void quantize_nvfp4(const TensorRef& x, float global_scale, TensorRef q, TensorRef sf, cudaStream_t stream) {
   const int64_t blocks = x.numel() / kNvfp4Block;
   if (blocks == 0) return;
-  quant::DeviceGuard guard(x.device_index);
+  DeviceGuard guard(x.device_index);
   uint8_t* qp = quant::data<uint8_t>(q);
   uint8_t* sp = quant::data<uint8_t>(sf);
   const unsigned grid = quant::grid_for(blocks);
@@ -180,7 +180,7 @@ void dequantize_nvfp4(const TensorRef& q, const TensorRef& sf, float global_scal
                       cudaStream_t stream) {
   const int64_t n = out.numel();
   if (n == 0) return;
-  quant::DeviceGuard guard(q.device_index);
+  DeviceGuard guard(q.device_index);
   dequantize_nvfp4_kernel<<<quant::grid_for(n), kThreads, 0, stream>>>(
       quant::data<const uint8_t>(q), quant::data<const uint8_t>(sf), global_scale, n, quant::data<float>(out));
   quant::check_launch("qmoe::dequantize_nvfp4 (CUDA launch)");
@@ -189,7 +189,7 @@ void dequantize_nvfp4(const TensorRef& q, const TensorRef& sf, float global_scal
 void quantize_mx(const TensorRef& x, TensorRef q, TensorRef sf, bool fp4, cudaStream_t stream) {
   const int64_t blocks = x.numel() / kMxBlock;
   if (blocks == 0) return;
-  quant::DeviceGuard guard(x.device_index);
+  DeviceGuard guard(x.device_index);
   uint8_t* qp = quant::data<uint8_t>(q);
   uint8_t* sp = quant::data<uint8_t>(sf);
   const unsigned grid = quant::grid_for(blocks);
@@ -206,7 +206,7 @@ void quantize_mx(const TensorRef& x, TensorRef q, TensorRef sf, bool fp4, cudaSt
 void dequantize_mx(const TensorRef& q, const TensorRef& sf, TensorRef out, bool fp4, cudaStream_t stream) {
   const int64_t n = out.numel();
   if (n == 0) return;
-  quant::DeviceGuard guard(q.device_index);
+  DeviceGuard guard(q.device_index);
   const uint8_t* qp = quant::data<const uint8_t>(q);
   const uint8_t* sp = quant::data<const uint8_t>(sf);
   float* op = quant::data<float>(out);
@@ -218,7 +218,7 @@ void dequantize_mx(const TensorRef& q, const TensorRef& sf, TensorRef out, bool 
 void quantize_int4_g128(const TensorRef& w, TensorRef q, TensorRef scales, cudaStream_t stream) {
   const int64_t groups = w.numel() / kInt4Group;
   if (groups == 0) return;
-  quant::DeviceGuard guard(w.device_index);
+  DeviceGuard guard(w.device_index);
   uint8_t* qp = quant::data<uint8_t>(q);
   float* sp = quant::data<float>(scales);
   const unsigned grid = quant::grid_for(groups);
@@ -232,7 +232,7 @@ void quantize_int4_g128(const TensorRef& w, TensorRef q, TensorRef scales, cudaS
 void dequantize_int4_g128(const TensorRef& q, const TensorRef& scales, TensorRef out, cudaStream_t stream) {
   const int64_t n = out.numel();
   if (n == 0) return;
-  quant::DeviceGuard guard(q.device_index);
+  DeviceGuard guard(q.device_index);
   const uint8_t* qp = quant::data<const uint8_t>(q);
   float* op = quant::data<float>(out);
   if (scales.dtype == DType::kBFloat16)

@@ -88,7 +88,7 @@ int64_t rows_of(const TensorRef& t) {
 void quantize_fp8(const TensorRef& x, const TensorRef& scale, bool per_row, TensorRef q, cudaStream_t stream) {
   const int64_t n = x.numel(), k = x.size(-1);
   if (n == 0) return;
-  quant::DeviceGuard guard(x.device_index);
+  DeviceGuard guard(x.device_index);
   const float* s = quant::data<const float>(scale);
   uint8_t* out = quant::data<uint8_t>(q);
   if (x.dtype == DType::kFloat32)
@@ -101,7 +101,7 @@ void quantize_fp8(const TensorRef& x, const TensorRef& scale, bool per_row, Tens
 
 void fp8_dynamic_scale(const TensorRef& x, bool per_row, TensorRef scale, cudaStream_t stream) {
   const int64_t n = x.numel(), k = x.size(-1), rows = rows_of(x);
-  quant::DeviceGuard guard(x.device_index);
+  DeviceGuard guard(x.device_index);
   float* s = quant::data<float>(scale);
   const bool bf16 = x.dtype == DType::kBFloat16;
   if (per_row) {
@@ -129,7 +129,7 @@ void fp8_dynamic_scale(const TensorRef& x, bool per_row, TensorRef scale, cudaSt
 void dequantize_fp8(const TensorRef& q, const TensorRef& scale, bool per_row, TensorRef out, cudaStream_t stream) {
   const int64_t n = q.numel(), k = q.size(-1);
   if (n == 0) return;
-  quant::DeviceGuard guard(q.device_index);
+  DeviceGuard guard(q.device_index);
   dequantize_fp8_kernel<<<quant::grid_for(n), kThreads, 0, stream>>>(
       quant::data<const uint8_t>(q), quant::data<const float>(scale), per_row, k, n, quant::data<float>(out));
   quant::check_launch("qmoe::dequantize_fp8 (CUDA launch)");

@@ -95,7 +95,7 @@ void swizzle_scales_128x4(const TensorRef& sf, TensorRef out, int64_t experts, i
   const int64_t row_tiles = (rows + 127) / 128, col_tiles = (cols + 3) / 4;
   const int64_t total = experts * row_tiles * col_tiles * kTileBytes;
   if (total == 0) return;
-  quant::DeviceGuard guard(sf.device_index);
+  DeviceGuard guard(sf.device_index);
   swizzle_kernel<<<quant::grid_for(total), kThreads, 0, stream>>>(quant::data<const uint8_t>(sf), rows, cols,
                                                                   row_tiles, col_tiles, total,
                                                                   quant::data<uint8_t>(out));
@@ -107,7 +107,7 @@ void unswizzle_scales_128x4(const TensorRef& swizzled, TensorRef sf, int64_t exp
   const int64_t total = experts * rows * cols;
   if (total == 0) return;
   const int64_t row_tiles = (rows + 127) / 128, col_tiles = (cols + 3) / 4;
-  quant::DeviceGuard guard(sf.device_index);
+  DeviceGuard guard(sf.device_index);
   unswizzle_kernel<<<quant::grid_for(total), kThreads, 0, stream>>>(quant::data<const uint8_t>(swizzled), rows, cols,
                                                                     row_tiles, col_tiles, total,
                                                                     quant::data<uint8_t>(sf));
@@ -118,7 +118,7 @@ void interleave_int4_scales(const TensorRef& logical, TensorRef stored, bool to_
   const int64_t total = logical.numel();
   if (total == 0) return;
   const int64_t num_n = logical.shape[1], num_g = logical.shape[2];
-  quant::DeviceGuard guard(logical.device_index);
+  DeviceGuard guard(logical.device_index);
   const unsigned grid = quant::grid_for(total);
   // Only bytes move: float32 as uint32_t, bfloat16 as uint16_t (the two dtypes formats.cpp accepts).
   if (dtype_size(logical.dtype) == 4)
@@ -140,7 +140,7 @@ void reorder_gate_up(const TensorRef& w, TensorRef out, bool to_flashinfer, cuda
   const int64_t total_bytes = experts * expert_bytes;
   if (total_bytes == 0) return;
   const int64_t half_blocks = two_i / 128;
-  quant::DeviceGuard guard(w.device_index);
+  DeviceGuard guard(w.device_index);
   const bool vec = reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && reinterpret_cast<uintptr_t>(out.data) % 16 == 0;
   if (vec) {
     // block_bytes = 64 * row_bytes is a multiple of 16, and so are expert_bytes and total_bytes.

@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda/common/device_guard.h"
 #include "cuda/launch.h"
 #include "qmoe/routing.h"
 
@@ -205,24 +206,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 }
-
-// Makes `device` current for the launch and restores the caller's device afterwards.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int current = previous_;
-    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 // SM count of each device, cached: the launch path must stay cheap and capture-safe.
 int sm_count(int device) {
