@@ -6,6 +6,8 @@ name travels beside it. The C++ side checks the pair; nothing is reinterpreted s
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from . import _C
@@ -37,8 +39,21 @@ def dtype_name(t) -> str:
     raise TypeError(f"qmoe: expected a numpy array or a torch tensor, got {type(t).__name__}")
 
 
-def arg(t, name: str = "tensor"):
-    """Wrap t for the C++ side. Raises TypeError naming `name` for unsupported objects/dtypes."""
+def as_int(value, name: str) -> int:
+    """An integer argument as a Python int that fits int64; anything else is an error naming it
+    (no silent truncation of 4.5 to 4)."""
+    try:
+        i = operator.index(value)
+    except TypeError:
+        raise TypeError(f"qmoe: argument '{name}': expected an integer, got {type(value).__name__} {value!r}") from None
+    if not -(2**63) <= i < 2**63:
+        raise ValueError(f"qmoe: argument '{name}': expected a value that fits int64, got {i}")
+    return i
+
+
+def arg(t, name: str = "tensor", output: bool = False):
+    """Wrap t for the C++ side. Raises TypeError naming `name` for unsupported objects/dtypes, and
+    ValueError for a read-only output or byte strides that are not multiples of the item size."""
     if t is None:
         return None
     if is_torch(t):
@@ -55,6 +70,11 @@ def arg(t, name: str = "tensor"):
         logical = _NUMPY_NAMES.get(t.dtype.name)
         if logical is None:
             raise TypeError(f"qmoe: argument '{name}': expected a supported dtype, got dtype {t.dtype.name}")
+        if output and not t.flags.writeable:
+            raise ValueError(f"qmoe: argument '{name}': expected a writable array (it is written), got a read-only one")
+        if any(stride % t.itemsize for stride in t.strides):
+            raise ValueError(f"qmoe: argument '{name}': expected byte strides that are multiples of the item size "
+                             f"({t.itemsize}), got strides {t.strides}")
         storage = t if t.dtype.kind in "iuf" and t.dtype.name != "bfloat16" else t.view(_VIEW_BY_SIZE_NP[t.itemsize])
         return _C.Arg(storage, logical)
     raise TypeError(f"qmoe: argument '{name}': expected a numpy array or a torch tensor, got {type(t).__name__}")

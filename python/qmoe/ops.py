@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from . import _C
-from ._tensors import arg, current_stream, is_torch
+from ._tensors import arg, as_int, current_stream, is_torch
 
 try:
     import ml_dtypes
@@ -70,8 +70,10 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
         quant_mode, arg(x, "x"), arg(x_scale, "x_scale"), arg(topk_ids, "topk_ids"),
         arg(topk_weights, "topk_weights"), arg(w1, "w1"), arg(w1_scale, "w1_scale"), arg(w1_alpha, "w1_alpha"),
         arg(fc2_input_scale, "fc2_input_scale"), arg(w2, "w2"), arg(w2_scale, "w2_scale"),
-        arg(w2_alpha, "w2_alpha"), arg(per_token_scale, "per_token_scale"), arg(out, "out"), int(num_experts),
-        int(num_experts if num_local_experts is None else num_local_experts), int(local_expert_offset),
+        arg(w2_alpha, "w2_alpha"), arg(per_token_scale, "per_token_scale"), arg(out, "out", output=True),
+        as_int(num_experts, "num_experts"),
+        as_int(num_experts if num_local_experts is None else num_local_experts, "num_local_experts"),
+        as_int(local_expert_offset, "local_expert_offset"),
         activation, float(swiglu_alpha), float(swiglu_beta), float(min(swiglu_limit, np.finfo(np.float32).max)),
         float(situ_beta), None if situ_linear_beta is None else float(situ_linear_beta), gate_up_layout,
         bool(deterministic), float(routed_scaling_factor), tactic or "")

@@ -251,6 +251,11 @@ def _blocks(x, block):
     return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
 
 
+def _flat_blocks(shape):
+    """[..., blocks, block] -> [..., blocks * block], spelled out so that zero rows reshape too."""
+    return tuple(shape[:-2]) + (shape[-2] * shape[-1],)
+
+
 def quantize_nvfp4(x, global_scale=1.0):
     """x real [..., K] -> (q uint8 [..., K/2], sf e4m3 [..., K/16]). global_scale: scalar or
     per-row array broadcastable to x[..., :1]. sf = e4m3(gs*amax/6); q = e2m1(x*gs/sf), 0 if sf==0."""
@@ -264,7 +269,7 @@ def quantize_nvfp4(x, global_scale=1.0):
         v = ((b * gs_b).astype(np.float32) / sf32).astype(np.float32)
     v = np.where(sf32 == 0, np.float32(0), v)
     v = np.where(np.isnan(sf32), np.float32(np.nan), v)  # a NaN block: every element gets the NaN code
-    q = pack_nibbles(e2m1_encode(v).reshape(b.shape[:-2] + (-1,)))
+    q = pack_nibbles(e2m1_encode(v).reshape(_flat_blocks(b.shape)))
     return q, sf[..., 0]
 
 
@@ -290,13 +295,13 @@ def _quantize_mx(x, max_code):
 def quantize_mxfp8(x):
     """x real [..., K] -> (q e4m3 [..., K], sf uint8 ue8m0 [..., K/32])."""
     v, sf = _quantize_mx(x, E4M3_MAX)
-    return round_e4m3(v.reshape(v.shape[:-2] + (-1,))), sf
+    return round_e4m3(v.reshape(_flat_blocks(v.shape))), sf
 
 
 def quantize_mxfp4(x):
     """x real [..., K] -> (q uint8 [..., K/2], sf uint8 ue8m0 [..., K/32])."""
     v, sf = _quantize_mx(x, E2M1_MAX)
-    return pack_nibbles(e2m1_encode(v.reshape(v.shape[:-2] + (-1,)))), sf
+    return pack_nibbles(e2m1_encode(v.reshape(_flat_blocks(v.shape)))), sf
 
 
 def dequantize_mxfp8(q, sf) -> np.ndarray:

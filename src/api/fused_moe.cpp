@@ -256,7 +256,7 @@ void validate_fused_moe(const FusedMoeParams& p) {
   const int64_t local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
   check_arg(local >= 1, "num_local_experts", "a value >= 1 (0 means num_experts)", str(p.num_local_experts));
   check_arg(p.local_expert_offset >= 0, "local_expert_offset", "a value >= 0", str(p.local_expert_offset));
-  check_arg(p.local_expert_offset + local <= p.num_experts, "num_local_experts",
+  check_arg(local <= p.num_experts && p.local_expert_offset <= p.num_experts - local, "num_local_experts",
             "local_expert_offset + num_local_experts <= num_experts = " + str(p.num_experts),
             str(p.local_expert_offset) + " + " + str(local));
 
@@ -390,6 +390,21 @@ void fused_moe(const FusedMoeParams& p, void* workspace, int64_t workspace_bytes
     check_arg(reinterpret_cast<uintptr_t>(workspace) % cuda::FusedMoeWorkspaceLayout::kAlign == 0, "workspace",
               "a " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned pointer (as cudaMalloc returns)",
               "an address that is not " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned");
+    // The pipeline writes every byte of the workspace: it must not overlap any tensor of the call.
+    TensorRef ws = p.output;
+    ws.data = workspace;
+    ws.dtype = DType::kUInt8;
+    ws.ndim = 1;
+    ws.shape[0] = workspace_bytes;
+    ws.strides[0] = 1;
+    for (const auto& [t, name] : {std::pair<const TensorRef*, const char*>{&p.x, "x"}, {&p.topk_ids, "topk_ids"},
+                                  {&p.topk_weights, "topk_weights"}, {&p.w1, "w1"}, {&p.w1_scale, "w1_scale"},
+                                  {&p.w2, "w2"}, {&p.w2_scale, "w2_scale"}, {&p.output, "output"}})
+      check_no_alias(ws, "workspace", *t, name);
+    for (const auto& [t, name] : {std::pair<const std::optional<TensorRef>*, const char*>{&p.x_scale, "x_scale"},
+                                  {&p.w1_alpha, "w1_alpha"}, {&p.w2_alpha, "w2_alpha"},
+                                  {&p.fc2_input_scale, "fc2_input_scale"}})
+      if (t->has_value()) check_no_alias(ws, "workspace", **t, name);
     cuda::fused_moe_w4a8_int4(p, gemm1, gemm2, workspace, stream);
     return;
   }

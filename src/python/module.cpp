@@ -8,7 +8,7 @@
 
 namespace qmoe::python {
 
-Arg::Arg(nb::ndarray<> a, const std::string& dtype) : array(a) {
+Arg::Arg(nb::ndarray<nb::ro> a, const std::string& dtype) : array(a) {
   DType d;
   check_arg(dtype_from_name(dtype, &d), "dtype", "a qmoe dtype name", "'" + dtype + "'", ErrorKind::kType);
   const int64_t itemsize = static_cast<int64_t>(a.itemsize());
@@ -16,7 +16,8 @@ Arg::Arg(nb::ndarray<> a, const std::string& dtype) : array(a) {
             std::to_string(dtype_size(d)) + "-byte storage for logical dtype " + dtype,
             std::to_string(itemsize) + "-byte storage", ErrorKind::kType);
   check_arg(static_cast<int>(a.ndim()) <= kMaxDims, "tensor", "at most 8 dimensions", std::to_string(a.ndim()));
-  ref.data = a.data();
+  // Read-only arrays are accepted (inputs); the Python layer refuses a read-only output.
+  ref.data = const_cast<void*>(a.data());
   ref.dtype = d;
   ref.ndim = static_cast<int>(a.ndim());
   for (int i = 0; i < ref.ndim; ++i) {
@@ -49,7 +50,7 @@ NB_MODULE(_C, m) {
     }
   });
   nb::class_<Arg>(m, "Arg")
-      .def(nb::init<nb::ndarray<>, const std::string&>(), nb::arg("array"), nb::arg("dtype"))
+      .def(nb::init<nb::ndarray<nb::ro>, const std::string&>(), nb::arg("array"), nb::arg("dtype"))
       .def_prop_ro("dtype", [](const Arg& a) { return std::string(qmoe::dtype_name(a.ref.dtype)); })
       .def_prop_ro("shape", [](const Arg& a) {
         nb::list l;

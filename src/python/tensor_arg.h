@@ -17,9 +17,9 @@ namespace qmoe::python {
 namespace nb = nanobind;
 
 struct Arg {
-  nb::ndarray<> array;  // keeps the storage alive for the call
+  nb::ndarray<nb::ro> array;  // keeps the storage alive for the call
   TensorRef ref;
-  Arg(nb::ndarray<> a, const std::string& dtype);
+  Arg(nb::ndarray<nb::ro> a, const std::string& dtype);
 };
 
 inline std::optional<TensorRef> opt_ref(const std::optional<Arg*>& a) {

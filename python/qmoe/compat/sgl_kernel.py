@@ -11,16 +11,17 @@ per-row activation scales (SGLang reads element 0 only); int64 `topk_ids` are ac
 from __future__ import annotations
 
 from .. import _C
-from .._tensors import arg, current_stream
+from .._tensors import arg, as_int, current_stream
 
 
 def get_cutlass_w4a8_moe_mm_data(topk_ids, expert_offsets, problem_sizes1, problem_sizes2, input_permutation,
                                  output_permutation, num_experts: int, n: int, k: int) -> None:
     """Routing -> expert_offsets [E+1], problem_sizes1/2 [E,3], permutations [numel] (all int32, in place)."""
-    _C.moe_mm_data(arg(topk_ids, "topk_ids"), arg(expert_offsets, "expert_offsets"),
-                   arg(problem_sizes1, "problem_sizes1"), arg(problem_sizes2, "problem_sizes2"),
-                   arg(input_permutation, "input_permutation"), arg(output_permutation, "output_permutation"),
-                   int(num_experts), int(n), int(k), current_stream(topk_ids))
+    _C.moe_mm_data(arg(topk_ids, "topk_ids"), arg(expert_offsets, "expert_offsets", output=True),
+                   arg(problem_sizes1, "problem_sizes1", output=True), arg(problem_sizes2, "problem_sizes2", output=True),
+                   arg(input_permutation, "input_permutation", output=True),
+                   arg(output_permutation, "output_permutation", output=True),
+                   as_int(num_experts, "num_experts"), as_int(n, "n"), as_int(k, "k"), current_stream(topk_ids))
 
 
 def cutlass_w4a8_moe_mm(d, a, b, a_scales, b_scales, experts_offsets, problem_sizes, a_strides, b_strides,
@@ -29,7 +30,8 @@ def cutlass_w4a8_moe_mm(d, a, b, a_scales, b_scales, experts_offsets, problem_si
 
     `tactic` (qmoe extension) forces a kernel tactic by name (see qmoe.valid_tactics).
     """
-    _C.w4a8_moe_mm(arg(d, "d"), arg(a, "a"), arg(b, "b"), arg(a_scales, "a_scales"), arg(b_scales, "b_scales"),
+    _C.w4a8_moe_mm(arg(d, "d", output=True), arg(a, "a"), arg(b, "b"), arg(a_scales, "a_scales"), arg(b_scales, "b_scales"),
                    arg(experts_offsets, "experts_offsets"), arg(problem_sizes, "problem_sizes"),
                    arg(a_strides, "a_strides"), arg(b_strides, "b_strides"), arg(d_strides, "d_strides"),
-                   arg(s_strides, "s_strides"), int(chunk_size), int(topk), current_stream(a), tactic)
+                   arg(s_strides, "s_strides"), as_int(chunk_size, "chunk_size"), as_int(topk, "topk"),
+                   current_stream(a), tactic)

@@ -13,6 +13,7 @@
 // (qmoe::validate_w4a8_moe_mm); no allocation, no host sync: CUDA-graph capturable.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -37,22 +38,26 @@ template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STA
 void launch_typed(const W4A8GemmParams& params, int64_t rows, int device, cudaStream_t stream) {
   using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
   auto kernel = sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>;
-  static int slots[kMaxDevices] = {};  // CTAs that fit on the device at once, 0 = not queried
+  // CTAs that fit on the device at once, 0 = not queried. Atomic: two host threads may launch the
+  // same configuration for the first time at once (both compute the same value).
+  static std::atomic<int> slots[kMaxDevices] = {};
   check_arg(device >= 0 && device < kMaxDevices, "a", "a CUDA device index below 64", std::to_string(device));
-  if (slots[device] == 0) {
+  int fit = slots[device].load(std::memory_order_relaxed);
+  if (fit == 0) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
                "cudaFuncSetAttribute(w4a8 grouped gemm)");
     int sms = 0, per_sm = 0;
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, Cfg::kSmemBytes),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor(w4a8 grouped gemm)");
-    slots[device] = sms * (per_sm > 0 ? per_sm : 1);
+    fit = sms * (per_sm > 0 ? per_sm : 1);
+    slots[device].store(fit, std::memory_order_relaxed);
   }
   // Upper bound of the tiles (the real count is only known on the device): every expert may add
   // one partial token tile.
   const int64_t n_tiles = (params.n + Cfg::kTileM - 1) / Cfg::kTileM;
   const int64_t max_tiles = (rows / Cfg::kTileN + params.num_experts) * n_tiles;
-  const int64_t grid = max_tiles < slots[device] ? (max_tiles > 0 ? max_tiles : 1) : slots[device];
+  const int64_t grid = max_tiles < fit ? (max_tiles > 0 ? max_tiles : 1) : fit;
   kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
   check_cuda(cudaGetLastError(), "launch of sm90_grouped_gemm_w4a8_int4");
 }
