@@ -44,6 +44,7 @@
 #include <type_traits>
 
 #include "cuda/common/int4_to_e4m3.cuh"
+#include "cuda/gemm/grouped_tile_list.cuh"
 
 namespace qmoe::cuda {
 
@@ -66,7 +67,7 @@ namespace w4a8 {
 
 constexpr int kGroup = 128;           // K per quantization group = K per pipeline stage
 constexpr int kGroupBytesB = kGroup / 2;  // bytes of one weight row per group
-constexpr int kMaxExperts = 1024;
+constexpr int kMaxExperts = kTileListMaxExperts;
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -88,14 +89,6 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Where one work item (tile) lives.
-struct TileInfo {
-  int expert;
-  int n0;    // first output feature
-  int row0;  // first row of A / D
-  int rows;  // valid rows in this token tile (1..TILE_N)
-};
-
 template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES>
 struct Config {
   static constexpr int kThreads = WARPS_M * WARPS_N * 32;
@@ -113,8 +106,6 @@ struct Config {
   static constexpr int kStageBytes = kStageB + kStageA + kStageS;
   static constexpr int kTileStartBytes = ((kMaxExperts + 1) * 4 + 127) / 128 * 128;  // keeps stages aligned
   static constexpr int kSmemBytes = kTileStartBytes + STAGES * kStageBytes;
-  static constexpr int kExpertsPerThread = kMaxExperts / kThreads;
-  static_assert(kMaxExperts % kThreads == 0 && kThreads <= 1024, "the prologue scan covers 1024 experts");
   static_assert(GPS == 1 || GPS == 2 || GPS == 4 || GPS == 8, "stages cover whole packed-4 scale blocks or lie in one");
   static_assert(kScaleBlocks * kTileM / 2 <= kThreads && GPS * kTileM / 8 <= kThreads, "one scale copy per thread");
   static_assert(STAGES >= 2, "a pipeline needs two stages");
@@ -151,7 +142,6 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
   constexpr int kThreads = Cfg::kThreads;
   constexpr int kRowBytesB = Cfg::kRowBytesB;
   constexpr int kTileK = Cfg::kTileK;
-  constexpr int kPer = Cfg::kExpertsPerThread;
 
   extern __shared__ __align__(128) uint8_t smem[];
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem);  // [E + 1] exclusive prefix of tiles
@@ -165,64 +155,16 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
   const int groups = p.k / kGroup;
   const int stages_per_tile = (groups + GPS - 1) / GPS;
 
-  // ---- Work list: tiles of expert e = ceil(M_e / TILE_N) * n_tiles, exclusive prefix in smem.
-  {
-    int count[kPer];
-    int local = 0;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int e = tid * kPer + i;
-      int m = e < E ? p.problem_sizes[3 * e + 1] : 0;
-      m = m > 0 ? m : 0;
-      count[i] = ((m + kTileN - 1) / kTileN) * n_tiles;
-      local += count[i];
-    }
-    // Block exclusive scan of `local` (warp shuffles, then the warp totals).
-    int incl = local;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += v;
-    }
-    __shared__ int warp_total[kThreads / 32];
-    if (lane == 31) warp_total[warp] = incl;
-    __syncthreads();
-    int base = 0;
-    for (int w = 0; w < warp; ++w) base += warp_total[w];
-    int run = base + incl - local;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int e = tid * kPer + i;
-      if (e < E) tile_start[e] = run;
-      run += count[i];
-    }
-    if (tid == kThreads - 1) tile_start[E] = run;  // the last thread's running sum is the total
-    __syncthreads();
-  }
-  const int total_tiles = tile_start[E];
+  // ---- Work list (grouped_tile_list.cuh): exclusive prefix of tiles per expert in smem.
+  __shared__ int32_t warp_total[kThreads / 32];
+  const int total_tiles = build_tile_list<kThreads, kTileN>(p.problem_sizes, E, n_tiles, tile_start, warp_total);
   if (static_cast<int>(blockIdx.x) >= total_tiles) return;
   const int my_tiles = (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
   const int total_iters = my_tiles * stages_per_tile;
 
   auto tile_info = [&](int tile_iter) {
-    const int tile = blockIdx.x + tile_iter * gridDim.x;
-    int lo = 0, hi = E - 1;  // last e with tile_start[e] <= tile (empty experts share starts)
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
-    }
-    TileInfo t;
-    t.expert = lo;
-    const int local = tile - tile_start[lo];
-    const int m = p.problem_sizes[3 * lo + 1];
-    const int token_tiles = (m + kTileN - 1) / kTileN;
-    // Token tiles of one feature tile are consecutive: CTAs running together share weights in L2.
-    const int ntile = local / token_tiles;
-    const int ttile = local - ntile * token_tiles;
-    t.n0 = ntile * kTileM;
-    t.row0 = p.expert_offsets[lo] + ttile * kTileN;
-    t.rows = min(kTileN, m - ttile * kTileN);
-    return t;
+    return find_tile<kTileM, kTileN>(blockIdx.x + tile_iter * gridDim.x, tile_start, E, p.problem_sizes,
+                                     p.expert_offsets);
   };
 
   const int64_t row_bytes_b = p.k / 2;
@@ -251,7 +193,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
   auto issue_loads = [&](int it, int stage) {
     const int s = it % stages_per_tile;
     if (s == 0) {
-      const TileInfo t = tile_info(it / stages_per_tile);
+      const GroupedTile t = tile_info(it / stages_per_tile);
       b_src = p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + b_row) * row_bytes_b + b_chunk * 16;
       a_src = p.a + static_cast<int64_t>(t.row0 + a_row) * p.k + a_chunk * 16;
       b_valid = a_valid = 0;
@@ -421,7 +363,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
     if (s == stages_per_tile - 1) {
       // ---- Epilogue: D[row, n] = out(a_scale(row) * acc). Lanes gid, gid^1 swap values so that
       // each stores two adjacent features of one token (4-byte bf16 / 8-byte fp32 stores).
-      const TileInfo t = tile_info(it / stages_per_tile);
+      const GroupedTile t = tile_info(it / stages_per_tile);
       const bool even = (gid & 1) == 0;
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) {

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "cuda/common/int4_to_e4m3.cuh"
+#include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
 
 namespace qmoe::cuda {
@@ -29,7 +30,7 @@ constexpr int kTileM = 128;    // weight rows (64 per warpgroup: the wgmma M)
 constexpr int kTileN = 128;    // token rows (the wgmma N)
 constexpr int kGroup = 128;    // K per stage: one quantization group
 constexpr int kStages = 4;     // 4 x 25 KB: deep enough to cover HBM latency, one CTA per SM
-constexpr int kMaxExperts = 1024;
+constexpr int kMaxExperts = kTileListMaxExperts;
 constexpr int kStageA = kTileN * kGroup;       // activations, 128 rows x 128 bytes (1024-aligned)
 constexpr int kStageW = kTileM * kGroup / 2;   // weights, 128 rows x 64 bytes
 constexpr int kStageS = kTileM * 8;            // scales: packed-4 rows of 8 bytes (packed-1 uses 256 bytes)
@@ -82,10 +83,6 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
   return int4x4_to_e4m3x4(v & 0x7777u, 0x3210u | ((v >> 1) & 0x4444u));
 }
 
-struct Tile {
-  int expert, n0, row0, rows;
-};
-
 __device__ __forceinline__ void store_out(__nv_bfloat16* out, float v) { *out = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_out(float* out, float v) { *out = v; }
 
@@ -103,70 +100,26 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
   const int n_tiles = (p.n + kTileM - 1) / kTileM;
   const int groups = p.k / kGroup;
 
-  // ---- Work list: expert e has ceil(M_e / 128) * n_tiles tiles; exclusive prefix in smem.
-  {
-    constexpr int kPer = kMaxExperts / kThreads;
-    int count[kPer];
-    int local = 0;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int e = tid * kPer + i;
-      const int m = e < E ? max(p.problem_sizes[3 * e + 1], 0) : 0;
-      count[i] = (m + kTileN - 1) / kTileN * n_tiles;
-      local += count[i];
-    }
-    int incl = local;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += v;
-    }
-    if (lane == 31) warp_total[warp] = incl;
-    __syncthreads();
-    int run = incl - local;
-    for (int w = 0; w < warp; ++w) run += warp_total[w];
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int e = tid * kPer + i;
-      if (e < E) tile_start[e] = run;
-      run += count[i];
-    }
-    if (tid == kThreads - 1) tile_start[E] = run;
-    __syncthreads();
-  }
-  const int total_tiles = tile_start[E];
+  // ---- Work list (grouped_tile_list.cuh).
+  const int total_tiles = build_tile_list<kThreads, kTileN>(p.problem_sizes, E, n_tiles, tile_start, warp_total);
   if (static_cast<int>(blockIdx.x) >= total_tiles) return;
   const int my_tiles = (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
   const int total_iters = my_tiles * groups;
 
   auto tile_of = [&](int tile_iter) {
-    const int tile = blockIdx.x + tile_iter * gridDim.x;
-    int lo = 0, hi = E - 1;  // last expert whose first tile is <= tile (empty experts share starts)
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
-    }
-    const int local = tile - tile_start[lo];
-    const int m = p.problem_sizes[3 * lo + 1];
-    const int token_tiles = (m + kTileN - 1) / kTileN;
-    const int ntile = local / token_tiles, ttile = local - ntile * token_tiles;
-    Tile t;
-    t.expert = lo;
-    t.n0 = ntile * kTileM;
-    t.row0 = p.expert_offsets[lo] + ttile * kTileN;
-    t.rows = min(kTileN, m - ttile * kTileN);
-    return t;
+    return find_tile<kTileM, kTileN>(blockIdx.x + tile_iter * gridDim.x, tile_start, E, p.problem_sizes,
+                                     p.expert_offsets);
   };
 
   // ---- Producer: fixed (row, chunk) slots per thread.
   const int64_t w_row_bytes = p.k / 2;
   const int a_row = tid >> 3, a_chunk = tid & 7;  // + 32 rows per pass, 4 passes
   const int w_row = tid >> 2, w_chunk = tid & 3;  // + 64 rows per pass, 2 passes
-  Tile load_tile{0, 0, 0, 0};
+  GroupedTile load_tile{0, 0, 0, 0};
   auto issue_loads = [&](int it) {
     const int g = it % groups;
     if (g == 0) load_tile = tile_of(it / groups);
-    const Tile& t = load_tile;
+    const GroupedTile& t = load_tile;
     uint8_t* st = stages + (it % kStages) * kStageBytes;
     const uint32_t sa = smem_u32(st), sw = sa + kStageA, ss = sw + kStageW;
 #pragma unroll
@@ -269,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
 
     if (g == groups - 1) {
       // Epilogue: accumulator (row r, token column 8 j + 2 tig + h) -> D[token, feature].
-      const Tile t = tile_of(it / groups);
+      const GroupedTile t = tile_of(it / groups);
       const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {

@@ -1,0 +1,83 @@
+// The persistent grids' work list of the grouped GEMMs (mma.sync and WGMMA kernels).
+//
+// Expert e owns ceil(M_e / TILE_N) token tiles x ceil(N / TILE_M) feature tiles. Tiles are numbered
+// expert by expert; inside an expert the token tiles of one feature tile are consecutive, so CTAs
+// running at the same time share that feature tile's weights in L2. M_e is read from the device
+// copy of problem_sizes (no host sync); an empty expert contributes no tile at all.
+#pragma once
+
+#include <cstdint>
+
+namespace qmoe::cuda {
+
+constexpr int kTileListMaxExperts = 1024;
+
+struct GroupedTile {
+  int expert;
+  int n0;    // first output feature
+  int row0;  // first row of A / D
+  int rows;  // valid rows in this token tile (1..TILE_N)
+};
+
+// Every thread of the block calls this. tile_start: shared [E + 1], gets the exclusive prefix of
+// tile counts (tile_start[E] = total); warp_total: shared scratch of THREADS / 32 ints.
+// Returns the total number of tiles.
+template <int THREADS, int TILE_N>
+__device__ __forceinline__ int build_tile_list(const int32_t* problem_sizes, int num_experts, int n_tiles,
+                                               int32_t* tile_start, int32_t* warp_total) {
+  static_assert(kTileListMaxExperts % THREADS == 0 && THREADS <= 1024, "the scan covers 1024 experts");
+  constexpr int kPer = kTileListMaxExperts / THREADS;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int count[kPer];
+  int local = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = tid * kPer + i;
+    const int m = e < num_experts ? max(problem_sizes[3 * e + 1], 0) : 0;
+    count[i] = (m + TILE_N - 1) / TILE_N * n_tiles;
+    local += count[i];
+  }
+  // Block exclusive scan of `local`: warp shuffles, then the warp totals.
+  int incl = local;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += v;
+  }
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  int run = incl - local;
+  for (int w = 0; w < warp; ++w) run += warp_total[w];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = tid * kPer + i;
+    if (e < num_experts) tile_start[e] = run;
+    run += count[i];
+  }
+  if (tid == THREADS - 1) tile_start[num_experts] = run;  // the last thread's running sum is the total
+  __syncthreads();
+  return tile_start[num_experts];
+}
+
+// Where tile number `tile` lives (0 <= tile < total).
+template <int TILE_M, int TILE_N>
+__device__ __forceinline__ GroupedTile find_tile(int tile, const int32_t* tile_start, int num_experts,
+                                                 const int32_t* problem_sizes, const int32_t* expert_offsets) {
+  int lo = 0, hi = num_experts - 1;  // last expert whose first tile is <= tile (empty experts share starts)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+  }
+  const int local = tile - tile_start[lo];
+  const int m = problem_sizes[3 * lo + 1];
+  const int token_tiles = (m + TILE_N - 1) / TILE_N;
+  const int ntile = local / token_tiles, ttile = local - ntile * token_tiles;
+  GroupedTile t;
+  t.expert = lo;
+  t.n0 = ntile * TILE_M;
+  t.row0 = expert_offsets[lo] + ttile * TILE_N;
+  t.rows = min(TILE_N, m - ttile * TILE_N);
+  return t;
+}
+
+}  // namespace qmoe::cuda
