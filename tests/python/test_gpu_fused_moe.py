@@ -23,13 +23,10 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # pragma: no cover - CPU-only machines
-    pytest.skip("no CUDA device", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):  # pragma: no cover
-    pytest.skip("qmoe's kernels are built for sm_90a (Hopper) only", allow_module_level=True)
+from gpu_common import require_hopper, to_dev, to_np  # noqa: E402
 
-import ml_dtypes  # noqa: E402
+torch = require_hopper()
+
 
 import qmoe  # noqa: E402
 from qmoe import _C  # noqa: E402
@@ -42,33 +39,9 @@ MODE = "w4a8_int4"
 GPT_OSS = dict(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0)
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-if not _C.kernels_built():  # pragma: no cover
-    pytest.skip("the qmoe extension under test was built without the sm_90a kernels", allow_module_level=True)
-
-
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-def to_np(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
-    return t.numpy()
-
-
-def to_dev(a):
-    if not isinstance(a, np.ndarray):
-        return a
-    a = np.ascontiguousarray(a)
-    if a.dtype == ref.BF16:
-        return torch.from_numpy(a.view(np.int16)).to(DEV).view(torch.bfloat16)
-    if a.dtype == ref.E4M3:
-        return torch.from_numpy(a.view(np.uint8)).to(DEV).view(torch.float8_e4m3fn)
-    return torch.from_numpy(a).to(DEV)
-
-
 def on_device(case: dict) -> dict:
     return {k: to_dev(v) for k, v in case.items()}
 

@@ -25,11 +25,9 @@ import pytest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # pragma: no cover - CPU-only machines
-    pytest.skip("no CUDA device", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):  # pragma: no cover
-    pytest.skip("qmoe's kernels are built for sm_90a (Hopper) only", allow_module_level=True)
+from gpu_common import require_hopper, to_dev  # noqa: E402
+
+torch = require_hopper()
 
 from qmoe import _C  # noqa: E402
 from qmoe import quant as Q  # noqa: E402
@@ -44,15 +42,6 @@ POISON_U32 = 0xAAAAAAAA  # as float32: -3.03e-13, never a scale and (in practice
 # ------------------------------------------------------------------------------------------------
 # data and plumbing
 # ------------------------------------------------------------------------------------------------
-def to_dev(a: np.ndarray) -> torch.Tensor:
-    a = np.ascontiguousarray(a)
-    if a.dtype == BF16:
-        return torch.from_numpy(a.view(np.int16)).to(DEV).view(torch.bfloat16)
-    if a.dtype == E4M3:
-        return torch.from_numpy(a.view(np.uint8)).to(DEV).view(torch.float8_e4m3fn)
-    return torch.from_numpy(a).to(DEV)
-
-
 def to_np(t: torch.Tensor) -> np.ndarray:
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:

@@ -26,11 +26,10 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # pragma: no cover - CPU-only machines
-    pytest.skip("no CUDA device", allow_module_level=True)
+from gpu_common import require_hopper, to_dev, to_np  # noqa: E402
 
-import ml_dtypes  # noqa: E402
+torch = require_hopper()
+
 
 from qmoe import _C  # noqa: E402
 from qmoe import reference as ref  # noqa: E402
@@ -42,31 +41,9 @@ POISON_I32 = np.array([0xAAAAAAAA], np.uint32).view(np.int32)[0]
 TOL = testing.TOLERANCES["grouped_gemm"]
 
 
-if torch.cuda.get_device_capability() != (9, 0):  # pragma: no cover
-    pytest.skip("qmoe's kernels are built for sm_90a (Hopper) only", allow_module_level=True)
-
-
 # ------------------------------------------------------------------------------------------------
 # conversions
 # ------------------------------------------------------------------------------------------------
-def to_np(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
-    return t.numpy()
-
-
-def to_dev(a: np.ndarray) -> torch.Tensor:
-    a = np.ascontiguousarray(a)
-    if a.dtype == ref.BF16:
-        return torch.from_numpy(a.view(np.int16)).to(DEV).view(torch.bfloat16)
-    if a.dtype == ref.E4M3:
-        return torch.from_numpy(a.view(np.uint8)).to(DEV).view(torch.float8_e4m3fn)
-    return torch.from_numpy(a).to(DEV)
-
-
 def gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """src[rows] for e4m3 (gathered as bytes: indexing fp8 is not implemented everywhere)."""
     return src.view(torch.uint8).index_select(0, rows).view(src.dtype)
