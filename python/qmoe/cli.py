@@ -1,4 +1,4 @@
-"""`qmoe` command line: `qmoe bench [gemm ...]`, `qmoe info`."""
+"""`qmoe` command line: `qmoe bench [gemm|moe ...]`, `qmoe info`."""
 from __future__ import annotations
 
 import argparse
@@ -37,9 +37,12 @@ def _cpu_demo(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="qmoe", description="qmoe: quantized MoE kernels for Hopper")
     sub = parser.add_subparsers(dest="command")
-    bench = sub.add_parser("bench", help="benchmark on the GPU (CPU reference demo without one); "
-                                         "options after 'gemm' go to the GEMM benchmark (qmoe bench gemm --help)")
-    bench.add_argument("what", nargs="?", default="gemm", choices=["gemm"], help="what to benchmark")
+    # add_help=False: -h/--help after 'gemm' or 'moe' reaches that benchmark's own parser
+    bench = sub.add_parser("bench", add_help=False,
+                           help="benchmark on the GPU (CPU reference demo without one); options after 'gemm' "
+                                "or 'moe' go to that benchmark (qmoe bench gemm --help, qmoe bench moe --help)")
+    bench.add_argument("what", nargs="?", default="gemm", choices=["gemm", "moe"],
+                       help="gemm: the W4A8 grouped GEMM; moe: the whole fused MoE layer")
     sub.add_parser("info", help="print build information")
     args, rest = parser.parse_known_args(argv)
     if args.command == "info":
@@ -48,6 +51,10 @@ def main(argv=None) -> int:
         print(f"qmoe {_C.__version__}; sm_90a kernels built: {_C.kernels_built()}; GPU: {_gpu_available()}")
         return 0
     if args.command == "bench":
+        if args.what == "moe":  # without a GPU it needs --dry-run (it says so)
+            from .bench import moe
+
+            return moe.main(rest)
         if _gpu_available():
             from .bench import gemm
 

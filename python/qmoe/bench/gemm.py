@@ -22,11 +22,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
-import re
-import statistics
 import sys
+
+from .common import fmt as _fmt
+from .common import gemm_floor, measure_ceilings  # noqa: F401  (measure_ceilings: used by main, re-exported)
+from .common import norm as _norm
+from .common import peer_path
+from .common import routing as _routing
+from .common import scale_shape as _scale_shape
+from .common import time_calls as _time_calls
+from .common import weight_sets as _weight_sets
 
 DEFAULT_TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 PEER_FILE = "2026-11-30_h200_sglang_w4a8.json"
@@ -35,13 +41,7 @@ PEER_CANDIDATES = ("/work/shared/peers/" + PEER_FILE, "shared/peers/" + PEER_FIL
 
 
 def _default_peers() -> str:
-    if "QMOE_SGLANG_PEERS" in os.environ:
-        return os.environ["QMOE_SGLANG_PEERS"]
-    return next((p for p in PEER_CANDIDATES if os.path.exists(p)), PEER_CANDIDATES[0])
-
-
-def _norm(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    return peer_path(PEER_FILE, "QMOE_SGLANG_PEERS")
 
 
 def _parse_args(argv):
@@ -79,93 +79,8 @@ def _parse_args(argv):
 
 
 # ------------------------------------------------------------------------------------------------
-# timing
+# peers
 # ------------------------------------------------------------------------------------------------
-def _time_calls(torch, calls, iters, warmup):
-    """Median time in us of one call, calls = one zero-argument callable per weight set.
-    Returns (us, how) with how 'graph' or 'events' (eager fallback)."""
-    for _ in range(warmup):
-        for call in calls:
-            call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph = None
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for call in calls:
-                call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for call in calls:
-                call()
-        graph.replay()
-        torch.cuda.synchronize()
-    except Exception:  # not capturable: time eager calls between events
-        graph = None
-        torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start.record()
-        if graph is not None:
-            graph.replay()
-        else:
-            for call in calls:
-                call()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0 / len(calls))
-        if len(samples) >= 5 and sum(samples) > 3e6:  # > 3 s spent: enough samples
-            break
-    how = "graph" if graph is not None else "events"
-    del graph
-    return statistics.median(samples), how
-
-
-def measure_ceilings(torch):
-    """Device copy bandwidth (bytes read + written per second; the best of a memcpy and an
-    elementwise copy kernel, since a captured memcpy node can be slower) and dense fp8 GEMM rate."""
-    n = 1 << 28  # 1 GiB of fp32
-    src = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    best_us = min(_time_calls(torch, [fn], iters=20, warmup=3)[0]
-                  for fn in (lambda: dst.copy_(src), lambda: torch.mul(src, 1.0, out=dst)))
-    copy_tbps = 2 * src.numel() * 4 / (best_us * 1e-6) / 1e12
-    del src, dst
-    size = 8192
-    a = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn).t()  # column-major operand
-    one = torch.ones((), device="cuda")
-    us, _ = _time_calls(torch, [lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
-                                                        use_fast_accum=True)], iters=20, warmup=3)
-    fp8_tflops = 2 * size ** 3 / (us * 1e-6) / 1e12
-    del a, b
-    torch.cuda.empty_cache()
-    return copy_tbps, fp8_tflops
-
-
-# ------------------------------------------------------------------------------------------------
-# data
-# ------------------------------------------------------------------------------------------------
-def _routing(torch, tokens, topk, experts, gen):
-    """top-k distinct experts per token, uniform: the top-k of uniform random keys."""
-    keys = torch.rand((tokens, experts), device="cuda", generator=gen)
-    return torch.topk(keys, topk, dim=1).indices.to(torch.int32).contiguous()
-
-
-def _scale_shape(experts, n, k):
-    return (experts, k // 512, 4 * n) if k % 512 == 0 else (experts, k // 128, n)
-
-
-def _weight_sets(touched_bytes, set_bytes, args, make):
-    """Enough sets that > rotate-mb are touched between two uses of one set, within the cap."""
-    want = max(1, math.ceil(args.rotate_mb * 2 ** 20 / max(touched_bytes, 1)) + 1) if touched_bytes else 1
-    cap = max(1, int(args.max_weight_gb * 2 ** 30 // max(set_bytes, 1)))
-    return [make() for _ in range(min(want, cap))]
-
-
 def _sglang_rows(path):
     if not path:
         return {}, None
@@ -194,11 +109,10 @@ def bench_row(torch, sgl, ops, model, shape, tokens, gemm, meta, args, ceilings,
     gen.manual_seed(args.seed + tokens)
     row = dict(model=model, E=experts, topk=topk, H=hidden, I=inter, T=tokens, gemm=gemm, N=n, K=k, M=rows,
                experts_hit=hit)
-    flops = 2.0 * rows * n * k
-    weight_bytes = hit * n * k // 2 + hit * n * (k // 128) * 2
-    bytes_touched = weight_bytes + rows * k + rows * n * 2
+    floor = gemm_floor(hit, rows, n, k, ceilings["copy_tbps"], ceilings["fp8_tflops"])
+    flops, bytes_touched, floor_us = floor["flops"], floor["bytes"], floor["floor_us"]
+    weight_bytes = bytes_touched - rows * k - rows * n * 2
     row.update(bytes=bytes_touched, flops=flops)
-    floor_us = max(bytes_touched / (ceilings["copy_tbps"] * 1e12), flops / (ceilings["fp8_tflops"] * 1e12)) * 1e6
     row["floor_us"] = floor_us
     offsets = meta["offsets"]
     a = torch.randn((rows, k), device="cuda", generator=gen, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
@@ -284,14 +198,6 @@ def bench_row(torch, sgl, ops, model, shape, tokens, gemm, meta, args, ceilings,
 # ------------------------------------------------------------------------------------------------
 # report
 # ------------------------------------------------------------------------------------------------
-def _fmt(v, digits=1):
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return str(v)
-
-
 def markdown(rows, header_lines):
     cols = ["model", "gemm", "T", "M", "hit", "N", "K", "qmoe us", "TB/s", "TFLOP/s", "floor us", "floor/time",
             "torch bf16 us", "torch fp8 us", "SGLang us", "tactic"]
