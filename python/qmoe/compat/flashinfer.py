@@ -9,16 +9,12 @@ activation scales are row-major; SiTU is Swiglu + situ_beta. qmoe adds quant_mod
 """
 from __future__ import annotations
 
-import contextlib
 import enum
-import json
-import os
-import threading
 import warnings
 
 import numpy as np
 
-from .. import ops
+from .. import ops, tune
 from .._tensors import is_torch
 
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -145,7 +141,13 @@ class CuteDslMoEWrapper:
                             use_fused_finalize=use_fused_finalize)
 
     def get_valid_tactics(self):
-        """Tactic names usable by run(); the CPU backend has a single one ('reference')."""
+        """Tactic names usable by run(): for 'w4a8_int4' on a CUDA device, the GEMM tactics valid for
+        both GEMMs of this layer (qmoe.valid_tactics); otherwise the single 'reference' (the CPU
+        backend, and the modes that have no GPU path)."""
+        if self.quant_mode == "w4a8_int4" and str(self.device).startswith("cuda"):
+            gated = self.activation != "relu2"
+            return tune.fused_moe_candidates(self.max_num_tokens or 1, self.hidden_size, self.intermediate_size,
+                                             gated, self.num_local_experts, self.top_k)
         return ["reference"]
 
     def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
@@ -163,24 +165,6 @@ class CuteDslMoEWrapper:
             tactic=None if tactic in (None, "reference") else tactic, **self._config)
 
 
-_tuning = threading.local()
-
-
-@contextlib.contextmanager
-def autotune(tune_mode: bool = True, cache: str | None = None):
-    """FlashInfer-style autotune context. Inside it, qmoe profiles the valid tactics of each new
-    problem bucket once and keeps the winner (in memory, and in `cache` as JSON when given).
-    The CPU backend has one tactic, so there it only loads/saves the cache file."""
-    previous = getattr(_tuning, "state", None)
-    entries = {}
-    if cache and os.path.exists(cache):
-        with open(cache) as f:
-            entries = json.load(f).get("entries", {})
-    _tuning.state = {"tune": bool(tune_mode), "entries": entries}
-    try:
-        yield
-    finally:
-        state, _tuning.state = _tuning.state, previous
-        if cache and tune_mode:
-            with open(cache, "w") as f:
-                json.dump({"_metadata": {"library": "qmoe"}, "entries": state["entries"]}, f, indent=1)
+# FlashInfer's `with autotune(True, cache=path): ...` is qmoe's autotuner itself (qmoe/tune.py):
+# the same thread-local tuning flag, in-memory cache and JSON file with _metadata.
+autotune = tune.autotune

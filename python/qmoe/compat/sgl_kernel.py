@@ -10,7 +10,9 @@ per-row activation scales (SGLang reads element 0 only); int64 `topk_ids` are ac
 """
 from __future__ import annotations
 
-from .. import _C
+import math
+
+from .. import _C, tune
 from .._tensors import arg, as_int, current_stream
 
 
@@ -28,10 +30,18 @@ def cutlass_w4a8_moe_mm(d, a, b, a_scales, b_scales, experts_offsets, problem_si
                         d_strides, s_strides, chunk_size: int = 128, topk: int = 8, *, tactic=None) -> None:
     """Grouped int4 x fp8 GEMM: d[r] = bf16(a_scale * sum_g S[e,:,g] * (a[r] . q[e,:,g])) for expert e's rows.
 
-    `tactic` (qmoe extension) forces a kernel tactic by name (see qmoe.valid_tactics).
+    `tactic` (qmoe extension) forces a kernel tactic by name (see qmoe.valid_tactics); without it,
+    CUDA tensors use the autotuner's cached winner (or, inside qmoe.tune.autotune(), the fastest
+    tactic timed on this call), else the heuristic.
     """
-    _C.w4a8_moe_mm(arg(d, "d", output=True), arg(a, "a"), arg(b, "b"), arg(a_scales, "a_scales"), arg(b_scales, "b_scales"),
-                   arg(experts_offsets, "experts_offsets"), arg(problem_sizes, "problem_sizes"),
-                   arg(a_strides, "a_strides"), arg(b_strides, "b_strides"), arg(d_strides, "d_strides"),
-                   arg(s_strides, "s_strides"), as_int(chunk_size, "chunk_size"), as_int(topk, "topk"),
-                   current_stream(a), tactic)
+    call = (arg(d, "d", output=True), arg(a, "a"), arg(b, "b"), arg(a_scales, "a_scales"), arg(b_scales, "b_scales"),
+            arg(experts_offsets, "experts_offsets"), arg(problem_sizes, "problem_sizes"),
+            arg(a_strides, "a_strides"), arg(b_strides, "b_strides"), arg(d_strides, "d_strides"),
+            arg(s_strides, "s_strides"), as_int(chunk_size, "chunk_size"), as_int(topk, "topk"), current_stream(a))
+    if tactic is None and tune.is_cuda(a) and _C.kernels_built() and len(d.shape) == 2 and len(a.shape) == 2 \
+            and len(experts_offsets.shape) == 1:
+        # Shapes that are wrong for the op are left to the C++ checks (a clear error, not a key).
+        per_row = math.prod(getattr(a_scales, "shape", ())) > 1
+        tactic = tune.moe_mm_tactic(a.shape[0], d.shape[1], a.shape[1], experts_offsets.shape[0], int(topk), per_row,
+                                    lambda name: _C.w4a8_moe_mm(*call, name), device=a.device)
+    _C.w4a8_moe_mm(*call, tactic)
