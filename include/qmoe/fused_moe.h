@@ -77,8 +77,35 @@ int64_t fused_moe_workspace_size(const FusedMoeParams& p);
 void fused_moe(const FusedMoeParams& p, void* workspace = nullptr, int64_t workspace_bytes = 0,
                cudaStream_t stream = nullptr);
 
+// ---- The two halves of the deterministic layer (expert parallelism, docs/expert-parallel.md) ----
+//
+//   moe_finalize(moe_expert_rows(p)) == fused_moe(p with deterministic = true), bit for bit.
+//
+// moe_expert_rows: rows bf16 [T*k, H]; for every valid local slot s = t*k + j (the routing rule
+// of fused_moe) rows[s] = bf16(alpha2 * GEMM2 row), the routing weight NOT applied. Rows of other
+// slots are left unwritten. p.output, p.deterministic and p.routed_scaling_factor are not used
+// (topk_weights is checked but not read). CPU tensors only for now.
+void validate_moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows);
+void moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows);
+
+// moe_finalize: out[t] = round_out(rsf * sum_j fp32(w[t,j] * rows[t*k + j])), fp32 sum in slot order
+// over the slots the routing rule keeps (0 <= e < num_experts, e in the local range); other rows are
+// never read. rows bf16 [T*k, H]; topk_ids int32 [T, k]; topk_weights f32 [T, k]; output
+// bf16/f16/f32 [T, H], written. CPU tensors only for now.
+struct MoeFinalizeParams {
+  TensorRef rows, topk_ids, topk_weights, output;
+  int64_t num_experts = 0;
+  int64_t num_local_experts = 0;  // 0 means num_experts
+  int64_t local_expert_offset = 0;
+  float routed_scaling_factor = 1.0f;
+};
+void validate_moe_finalize(const MoeFinalizeParams& p);
+void moe_finalize(const MoeFinalizeParams& p);
+
 namespace reference {
 void fused_moe(const FusedMoeParams& p);
+void moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows);
+void moe_finalize(const MoeFinalizeParams& p);
 }  // namespace reference
 
 }  // namespace qmoe

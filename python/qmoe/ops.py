@@ -87,7 +87,75 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
         nbytes = _C.fused_moe_workspace_size(*args)
         if nbytes > 0:
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+        if not tactic and quant_mode == "w4a8_int4" and _C.kernels_built():
+            # No forced tactic: the autotuner's cached winner, or inside autotune() the fastest
+            # tactic timed now on this call's own tensors; None keeps the C++ heuristic.
+            from . import tune
+
+            chosen = tune.fused_moe_tactic(
+                num_tokens, quant_mode=quant_mode, hidden=hidden, inter=2 * w2.shape[2],
+                gated=activation != "relu2", num_experts=int(num_experts),
+                num_local_experts=int(num_local_experts or num_experts),
+                topk=topk_ids.shape[1], activation=activation, gate_up_layout=gate_up_layout,
+                deterministic=bool(deterministic), x_dtype=str(x.dtype).replace("torch.", ""),
+                out_dtype=str(out.dtype).replace("torch.", ""), device=x.device,
+                run=lambda name: _C.fused_moe(*args[:-1], name, arg(workspace, "workspace"), current_stream(x)))
+            args = args[:-1] + (chosen or "",)
     _C.fused_moe(*args, arg(workspace, "workspace"), current_stream(x))
+    return out
+
+
+def moe_expert_rows(x, topk_ids, w1, w1_scale, w2, w2_scale, *, quant_mode, num_experts, x_scale=None,
+                    w1_alpha=None, w2_alpha=None, fc2_input_scale=None, per_token_scale=None,
+                    num_local_experts=None, local_expert_offset=0, activation="swiglu", swiglu_alpha=1.0,
+                    swiglu_beta=0.0, swiglu_limit=math.inf, situ_beta=1.0, situ_linear_beta=None,
+                    gate_up_layout="gate_up", rows=None):
+    """Per-slot GEMM2 rows without the finalize: rows bf16 [T*k, H], rows[t*k + j] =
+    bf16(alpha2 * W2 . requant(act(alpha1 * W13 . x[t]))) for every valid local slot (no routing
+    weight); rows of other slots are left unwritten. moe_finalize(rows, ...) then equals
+    fused_moe(..., deterministic=True) bit for bit. CPU arrays only for now."""
+    if len(getattr(topk_ids, "shape", ())) != 2:
+        raise ValueError("qmoe: argument 'topk_ids': expected a 2-D tensor [T, top_k], got "
+                         f"shape {tuple(getattr(topk_ids, 'shape', ()))}")
+    if len(getattr(w2, "shape", ())) != 3:
+        raise ValueError("qmoe: argument 'w2': expected a 3-D tensor [E_local, H, I/2], got "
+                         f"shape {tuple(getattr(w2, 'shape', ()))}")
+    num_tokens, top_k = topk_ids.shape
+    if rows is None:
+        rows = empty_like_framework(x, (num_tokens * top_k, w2.shape[1]), "bfloat16")
+    # The routing weights are not applied here; the native call checks a [T, k] f32 tensor anyway.
+    if is_torch(x):
+        import torch
+
+        ones = torch.ones((num_tokens, top_k), dtype=torch.float32, device=x.device)
+    else:
+        ones = np.ones((num_tokens, top_k), np.float32)
+    _C.moe_expert_rows(
+        quant_mode, arg(x, "x"), arg(x_scale, "x_scale"), arg(topk_ids, "topk_ids"), arg(ones, "topk_weights"),
+        arg(w1, "w1"), arg(w1_scale, "w1_scale"), arg(w1_alpha, "w1_alpha"), arg(fc2_input_scale, "fc2_input_scale"),
+        arg(w2, "w2"), arg(w2_scale, "w2_scale"), arg(w2_alpha, "w2_alpha"), arg(per_token_scale, "per_token_scale"),
+        arg(rows, "rows", output=True), as_int(num_experts, "num_experts"),
+        as_int(num_experts if num_local_experts is None else num_local_experts, "num_local_experts"),
+        as_int(local_expert_offset, "local_expert_offset"), activation, float(swiglu_alpha), float(swiglu_beta),
+        float(min(swiglu_limit, np.finfo(np.float32).max)), float(situ_beta),
+        None if situ_linear_beta is None else float(situ_linear_beta), gate_up_layout, True, 1.0, "")
+    return rows
+
+
+def moe_finalize(rows, topk_ids, topk_weights, *, num_experts, num_local_experts=None, local_expert_offset=0,
+                 routed_scaling_factor=1.0, output_dtype="bfloat16", out=None):
+    """Deterministic finalize of per-slot rows (bf16 [T*k, H], as moe_expert_rows writes them):
+    out[t] = round_out(rsf * sum_j fp32(w[t, j] * rows[t*k + j])), fp32 in slot order, over the slots
+    whose expert is valid and local; other rows are never read. CPU arrays only for now."""
+    if len(getattr(topk_ids, "shape", ())) != 2 or len(getattr(rows, "shape", ())) != 2:
+        raise ValueError("qmoe: argument 'rows': expected rows [T*k, H] and topk_ids [T, k], got shapes "
+                         f"{tuple(getattr(rows, 'shape', ()))} and {tuple(getattr(topk_ids, 'shape', ()))}")
+    if out is None:
+        out = empty_like_framework(rows, (topk_ids.shape[0], rows.shape[1]), _dtype_name(output_dtype))
+    _C.moe_finalize(arg(rows, "rows"), arg(topk_ids, "topk_ids"), arg(topk_weights, "topk_weights"),
+                    arg(out, "out", output=True), as_int(num_experts, "num_experts"),
+                    as_int(num_experts if num_local_experts is None else num_local_experts, "num_local_experts"),
+                    as_int(local_expert_offset, "local_expert_offset"), float(routed_scaling_factor))
     return out
 
 

@@ -230,7 +230,10 @@ const char* activation_name(Activation a) {
   return "unknown";
 }
 
-void validate_fused_moe(const FusedMoeParams& p) {
+namespace {
+
+// Every input of the layer (all but the output); shared by fused_moe and moe_expert_rows.
+void validate_inputs(const FusedMoeParams& p) {
   // Enums may come from integers across the binding.
   const int mode_value = static_cast<int>(p.quant_mode);
   check_arg(mode_value >= 0 && mode_value <= static_cast<int>(QuantMode::kW4A16Int4), "quant_mode",
@@ -287,10 +290,10 @@ void validate_fused_moe(const FusedMoeParams& p) {
   validate_activation(p, inter);
   check_arg(std::isfinite(p.routed_scaling_factor), "routed_scaling_factor", "a finite value",
             fstr(p.routed_scaling_factor));
+}
 
-  // Output: written, never read; must not overlap any input.
-  check_dtype_in(p.output, "output", {DType::kBFloat16, DType::kFloat16, DType::kFloat32});
-  check_tensor(p.output, "output", {DType::kBFloat16, DType::kFloat16, DType::kFloat32}, {tokens, hidden}, x);
+// An output (written, never read) must not overlap any input.
+void check_output_no_alias(const FusedMoeParams& p, const TensorRef& out, const char* out_name) {
   std::vector<std::pair<const TensorRef*, const char*>> inputs = {
       {&p.x, "x"},   {&p.topk_ids, "topk_ids"}, {&p.topk_weights, "topk_weights"}, {&p.w1, "w1"},
       {&p.w1_scale, "w1_scale"}, {&p.w2, "w2"}, {&p.w2_scale, "w2_scale"}};
@@ -299,7 +302,33 @@ void validate_fused_moe(const FusedMoeParams& p) {
       {&p.w2_alpha, "w2_alpha"}, {&p.per_token_scale, "per_token_scale"}};
   for (const auto& [t, name] : optionals)
     if (t->has_value()) inputs.emplace_back(&t->value(), name);
-  for (const auto& [t, name] : inputs) check_no_alias(p.output, "output", *t, name);
+  for (const auto& [t, name] : inputs) check_no_alias(out, out_name, *t, name);
+}
+
+}  // namespace
+
+void validate_fused_moe(const FusedMoeParams& p) {
+  validate_inputs(p);
+  const int64_t tokens = p.topk_ids.size(0), hidden = p.w2.size(1);
+  check_dtype_in(p.output, "output", {DType::kBFloat16, DType::kFloat16, DType::kFloat32});
+  check_tensor(p.output, "output", {DType::kBFloat16, DType::kFloat16, DType::kFloat32}, {tokens, hidden}, p.x);
+  check_output_no_alias(p, p.output, "output");
+}
+
+void validate_moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows) {
+  validate_inputs(p);
+  const int64_t slots = p.topk_ids.size(0) * p.topk_ids.size(1), hidden = p.w2.size(1);
+  check_tensor(rows, "rows", {DType::kBFloat16}, {slots, hidden}, p.x);
+  check_output_no_alias(p, rows, "rows");
+}
+
+void moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows) {
+  validate_moe_expert_rows(p, rows);
+  check_arg(!p.x.is_cuda(), "x", "CPU tensors (moe_expert_rows has no GPU path yet)", "CUDA tensors",
+            ErrorKind::kRuntime);
+  check_arg(p.tactic.empty(), "tactic", "empty on CPU tensors (the CPU reference has no tactics)",
+            "'" + p.tactic + "'");
+  reference::moe_expert_rows(p, rows);
 }
 
 namespace {

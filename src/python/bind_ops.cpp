@@ -116,7 +116,10 @@ FusedMoeParams fused_params(const std::string& quant_mode, const Arg& x, const A
 
 }  // namespace
 
+void bind_expert_parallel(nb::module_& m);  // src/python/bind_expert_parallel.cpp
+
 void bind_ops(nb::module_& m) {
+  bind_expert_parallel(m);
   m.def("kernels_built", &cuda::kernels_built, "True when this build holds the sm_90a kernels.");
 
   m.def(
@@ -208,7 +211,48 @@ void bind_ops(nb::module_& m) {
         fused_moe(p, ws, ws_bytes, as_stream(stream));
       },
       FUSED_MOE_ARGS, nb::arg("workspace").none(), nb::arg("stream"));
+
+  // moe_expert_rows takes fused_moe's arguments with `output` = rows bf16 [T*k, H] (written per local
+  // slot, see include/qmoe/fused_moe.h); deterministic and routed_scaling_factor are not used.
+  m.def(
+      "moe_expert_rows",
+      [](const std::string& quant_mode, const Arg& x, const Arg* x_scale, const Arg& topk_ids,
+         const Arg& topk_weights, const Arg& w1, const Arg& w1_scale, const Arg* w1_alpha,
+         const Arg* fc2_input_scale, const Arg& w2, const Arg& w2_scale, const Arg* w2_alpha,
+         const Arg* per_token_scale, Arg& output, int64_t num_experts, int64_t num_local_experts,
+         int64_t local_expert_offset, const std::string& activation, float swiglu_alpha, float swiglu_beta,
+         float swiglu_limit, float situ_beta, std::optional<float> situ_linear_beta,
+         const std::string& gate_up_layout, bool deterministic, float routed_scaling_factor,
+         const std::string& tactic) {
+        const FusedMoeParams p = fused_params(
+            quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha, fc2_input_scale, w2, w2_scale,
+            w2_alpha, per_token_scale, output, num_experts, num_local_experts, local_expert_offset, activation,
+            swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout, deterministic,
+            routed_scaling_factor, tactic);
+        nb::gil_scoped_release release;
+        moe_expert_rows(p, output.ref);
+      },
+      FUSED_MOE_ARGS);
 #undef FUSED_MOE_ARGS
+
+  m.def(
+      "moe_finalize",
+      [](const Arg& rows, const Arg& topk_ids, const Arg& topk_weights, Arg& output, int64_t num_experts,
+         int64_t num_local_experts, int64_t local_expert_offset, float routed_scaling_factor) {
+        MoeFinalizeParams p;
+        p.rows = rows.ref;
+        p.topk_ids = topk_ids.ref;
+        p.topk_weights = topk_weights.ref;
+        p.output = output.ref;
+        p.num_experts = num_experts;
+        p.num_local_experts = num_local_experts;
+        p.local_expert_offset = local_expert_offset;
+        p.routed_scaling_factor = routed_scaling_factor;
+        nb::gil_scoped_release release;
+        moe_finalize(p);
+      },
+      nb::arg("rows"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("output"), nb::arg("num_experts"),
+      nb::arg("num_local_experts"), nb::arg("local_expert_offset"), nb::arg("routed_scaling_factor"));
 }
 
 }  // namespace qmoe::python

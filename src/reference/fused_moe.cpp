@@ -42,6 +42,11 @@
 //                  (emulates the bf16 atomic adds of the GPU scatter, in one fixed order)
 // A token without a valid slot gets a zero row. Scalar products are evaluated left to right.
 //
+// Split entry points (expert parallelism): moe_expert_rows stops before the finalize and writes
+// bf16(y[r_s]) at flat slot s for the valid local slots; moe_finalize runs the deterministic
+// finalize above on such rows. Both share the code of fused_moe (compute_rows and
+// finalize_deterministic below), so finalize(rows) == fused_moe(deterministic) bit for bit.
+//
 // Threads: work items are (expert, block of output features); each item decodes the weight rows
 // it owns once and applies them to all rows of that expert, so each element is produced by one
 // thread in a fixed order and the result does not depend on the thread count.
@@ -201,6 +206,35 @@ void mxfp8_block(const float* v, int64_t n, float* md) {
   for (int64_t e = 0; e < n; ++e) md[e] = e4m3_to_float(float_to_e4m3(v[e] / scale)) * scale;
 }
 
+// The routing rule of every entry: slot id e counts when 0 <= e < num_experts and
+// e - local_expert_offset lies in [0, local).
+bool slot_is_local(int64_t e, int64_t num_experts, int64_t local_expert_offset, int64_t local) {
+  const int64_t l = e - local_expert_offset;
+  return e >= 0 && e < num_experts && l >= 0 && l < local;
+}
+
+// Deterministic finalize (header comment): out[t, n] = round_out(rsf * sum_j w[t, j] * row(s, n)),
+// s = t*k + j over the slots the routing rule keeps, fp32 in slot order. row(s, n) returns the
+// bf16-rounded GEMM2 element as a float; fused_moe reads it from its fp32 rows, moe_finalize from
+// the caller's bf16 rows: one loop, so the two cannot drift apart.
+template <class RowValue>
+void finalize_deterministic(const int32_t* ids, const float* wts, int64_t tokens, int64_t topk, int64_t hidden,
+                            int64_t num_experts, int64_t local_expert_offset, int64_t local, float rsf,
+                            const TensorRef& out, const RowValue& row) {
+  const DType dt = out.dtype;
+  parallel_for(tokens, [&](int64_t t) {
+    for (int64_t n = 0; n < hidden; ++n) {
+      float o = 0.0f;
+      for (int64_t j = 0; j < topk; ++j) {
+        const int64_t s = t * topk + j;
+        if (!slot_is_local(ids[s], num_experts, local_expert_offset, local)) continue;
+        o += wts[s] * row(s, n);
+      }
+      store(out, t * hidden + n, round_to(dt, rsf * o));
+    }
+  });
+}
+
 // ------------------------------------------------------------------------------------------------
 // The problem
 // ------------------------------------------------------------------------------------------------
@@ -229,12 +263,28 @@ class FusedMoe {
   }
 
   void run() {
+    compute_rows();
+    finalize();
+  }
+
+  // Everything up to (not including) the finalize: y_ holds alpha2 * GEMM2 per row.
+  void compute_rows() {
     route();
     decode_activations();
     gemm1_and_activation();
     requantize();
     gemm2();
-    finalize();
+  }
+
+  // rows[s, :] = bf16(y[r_s, :]) for the valid local slots s (bf16 [T*k, H]); other rows untouched.
+  void write_rows(const TensorRef& rows) const {
+    const int64_t H = hidden_;
+    uint16_t* dst = rows.ptr<uint16_t>();
+    parallel_for(tokens_ * topk_, [&](int64_t s) {
+      const int64_t r = row_of_slot_[static_cast<size_t>(s)];
+      if (r < 0) return;
+      for (int64_t n = 0; n < H; ++n) dst[s * H + n] = float_to_bf16(y_[static_cast<size_t>(r * H + n)]);
+    });
   }
 
  private:
@@ -246,7 +296,7 @@ class FusedMoe {
     for (int64_t s = 0; s < tokens_ * topk_; ++s) {
       const int64_t e = ids[s];
       const int64_t l = e - p_.local_expert_offset;
-      if (e < 0 || e >= p_.num_experts || l < 0 || l >= local_) continue;
+      if (!slot_is_local(e, p_.num_experts, p_.local_expert_offset, local_)) continue;
       const auto r = static_cast<int64_t>(row_token_.size());
       row_of_slot_[static_cast<size_t>(s)] = r;
       row_token_.push_back(s / topk_);
@@ -518,6 +568,14 @@ class FusedMoe {
     const int64_t H = hidden_, k = topk_;
     const float rsf = p_.routed_scaling_factor;
     const float* wts = p_.topk_weights.ptr<const float>();
+    if (p_.deterministic) {
+      finalize_deterministic(p_.topk_ids.ptr<const int32_t>(), wts, tokens_, k, H, p_.num_experts,
+                             p_.local_expert_offset, local_, rsf, p_.output, [&](int64_t s, int64_t n) {
+                               const int64_t r = row_of_slot_[static_cast<size_t>(s)];
+                               return round_bf16(y_[static_cast<size_t>(r * H + n)]);
+                             });
+      return;
+    }
     const DType dt = p_.output.dtype;
     parallel_for(tokens_, [&](int64_t t) {
       for (int64_t n = 0; n < H; ++n) {
@@ -527,13 +585,9 @@ class FusedMoe {
           if (r < 0) continue;
           const float w = wts[t * k + j];
           const float y = y_[static_cast<size_t>(r * H + n)];
-          if (p_.deterministic) {
-            o += w * round_bf16(y);
-          } else {
-            o = round_to(dt, o + round_bf16(rsf * w * y));
-          }
+          o = round_to(dt, o + round_bf16(rsf * w * y));
         }
-        store(p_.output, t * H + n, p_.deterministic ? round_to(dt, rsf * o) : o);
+        store(p_.output, t * H + n, o);
       }
     });
   }
@@ -556,5 +610,20 @@ class FusedMoe {
 }  // namespace
 
 void fused_moe(const FusedMoeParams& p) { FusedMoe(p).run(); }
+
+void moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows) {
+  FusedMoe moe(p);
+  moe.compute_rows();
+  moe.write_rows(rows);
+}
+
+void moe_finalize(const MoeFinalizeParams& p) {
+  const int64_t hidden = p.rows.size(1);
+  const uint16_t* rows = p.rows.ptr<const uint16_t>();
+  finalize_deterministic(p.topk_ids.ptr<const int32_t>(), p.topk_weights.ptr<const float>(), p.topk_ids.size(0),
+                         p.topk_ids.size(1), hidden, p.num_experts, p.local_expert_offset,
+                         p.num_local_experts == 0 ? p.num_experts : p.num_local_experts, p.routed_scaling_factor,
+                         p.output, [&](int64_t s, int64_t n) { return bf16_to_float(rows[s * hidden + n]); });
+}
 
 }  // namespace qmoe::reference

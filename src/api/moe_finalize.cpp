@@ -1,0 +1,71 @@
+// Public entry of the deterministic finalize on per-slot rows (include/qmoe/fused_moe.h, DESIGN.md 3b):
+//
+//   out[t] = round_out(rsf * sum_j fp32(w[t, j] * rows[t*k + j]))   fp32 sum in slot order j = 0..k-1
+//
+// over the slots whose id e satisfies 0 <= e < num_experts and e - local_expert_offset in
+// [0, num_local_experts); rows of other slots are never read. rows bf16 [T*k, H], topk_ids int32
+// [T, k] (1 <= k <= 16), topk_weights f32 [T, k], output bf16/f16/f32 [T, H] (written, must not overlap
+// an input). The rows come from moe_expert_rows, on this rank or (expert parallelism) on the ranks
+// that own the experts; the result then equals fused_moe(deterministic = true) bit for bit.
+// CPU tensors only for now (the GPU finalize kernel takes per-expert rows; a per-slot variant is
+// the GPU session's work).
+#include <cmath>
+#include <string>
+
+#include "qmoe/fused_moe.h"
+#include "qmoe/routing.h"
+
+namespace qmoe {
+
+namespace {
+
+void check_plain(const TensorRef& t, const std::string& name, std::initializer_list<DType> dtypes,
+                 std::initializer_list<int64_t> shape, const TensorRef& rows) {
+  check_dtype_in(t, name, dtypes);
+  check_shape(t, name, shape);
+  check_contiguous(t, name);
+  check_arg(t.numel() == 0 || t.data != nullptr, name, "a non-null data pointer", "nullptr");
+  check_same_device(t, name, rows, "rows");
+}
+
+}  // namespace
+
+void validate_moe_finalize(const MoeFinalizeParams& p) {
+  check_dtype(p.topk_ids, "topk_ids", DType::kInt32);
+  check_ndim(p.topk_ids, "topk_ids", 2);
+  const int64_t tokens = p.topk_ids.size(0), topk = p.topk_ids.size(1);
+  check_arg(topk >= 1 && topk <= kMaxTopK, "topk_ids", "top_k = topk_ids.size(1) in [1, 16]",
+            "top_k = " + std::to_string(topk));
+  check_dtype(p.rows, "rows", DType::kBFloat16);
+  check_ndim(p.rows, "rows", 2);
+  const int64_t hidden = p.rows.size(1);
+  check_arg(hidden >= 1, "rows", "a [T*k, H] tensor with H >= 1", "shape " + shape_string(p.rows));
+  check_plain(p.rows, "rows", {DType::kBFloat16}, {tokens * topk, hidden}, p.rows);
+  check_plain(p.topk_ids, "topk_ids", {DType::kInt32}, {tokens, topk}, p.rows);
+  check_plain(p.topk_weights, "topk_weights", {DType::kFloat32}, {tokens, topk}, p.rows);
+  check_plain(p.output, "output", {DType::kBFloat16, DType::kFloat16, DType::kFloat32}, {tokens, hidden}, p.rows);
+
+  check_arg(p.num_experts >= 1, "num_experts", "a value >= 1", std::to_string(p.num_experts));
+  const int64_t local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
+  check_arg(local >= 1, "num_local_experts", "a value >= 1 (0 means num_experts)",
+            std::to_string(p.num_local_experts));
+  check_arg(p.local_expert_offset >= 0, "local_expert_offset", "a value >= 0", std::to_string(p.local_expert_offset));
+  check_arg(local <= p.num_experts && p.local_expert_offset <= p.num_experts - local, "num_local_experts",
+            "local_expert_offset + num_local_experts <= num_experts = " + std::to_string(p.num_experts),
+            std::to_string(p.local_expert_offset) + " + " + std::to_string(local));
+  check_arg(std::isfinite(p.routed_scaling_factor), "routed_scaling_factor", "a finite value",
+            std::to_string(p.routed_scaling_factor));
+
+  check_no_alias(p.output, "output", p.rows, "rows");
+  check_no_alias(p.output, "output", p.topk_ids, "topk_ids");
+  check_no_alias(p.output, "output", p.topk_weights, "topk_weights");
+}
+
+void moe_finalize(const MoeFinalizeParams& p) {
+  validate_moe_finalize(p);
+  check_arg(!p.rows.is_cuda(), "rows", "CPU tensors (moe_finalize has no GPU path yet)", "CUDA tensors",
+            ErrorKind::kRuntime);
+  reference::moe_finalize(p);
+}
+
+}  // namespace qmoe

@@ -1,0 +1,325 @@
+"""Expert parallelism on the CPU (python/qmoe/ep.py, docs/expert-parallel.md): W ranks simulated by the
+loopback transport, each with its own tokens; every rank's EP output must equal
+qmoe.fused_moe(all experts, deterministic=True) on that rank's tokens BIT FOR BIT. Also: the split
+entry points (moe_expert_rows + moe_finalize == deterministic fused_moe), the plan binding, the scale
+rule and capacity errors, and the NCCL loader's behaviour without a GPU."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import qmoe
+from qmoe import _C, ops
+from qmoe import testing as qt
+from qmoe.ep import ExpertParallelMoE
+from qmoe.ep_transport import LoopbackGroup, nccl_available, run_loopback
+
+H, I = 256, 128
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def _case(mode, ids, wts, seed=0, **kw):
+    return qt.make_fused_moe_case(mode, ids.shape[0], H, I, int(kw.pop("num_experts")), ids.shape[1], seed,
+                                  routing=(ids, wts), **kw)
+
+
+def _slice_tokens(case, lo, hi):
+    """The case restricted to tokens [lo, hi) (what one rank holds)."""
+    out = dict(case)
+    out["topk_ids"], out["topk_weights"] = case["topk_ids"][lo:hi], case["topk_weights"][lo:hi]
+    total = case["topk_ids"].shape[0]
+    for key in ("x", "x_scale", "per_token_scale"):
+        v = case.get(key)
+        if v is not None and np.shape(v)[0] == total and not (key == "x_scale" and np.size(v) == 1):
+            out[key] = np.ascontiguousarray(v[lo:hi])
+    return out
+
+
+def _single(case, **kw):
+    args = {k: v for k, v in case.items() if k not in ("num_local_experts", "local_expert_offset")}
+    return ops.fused_moe(**args, deterministic=True, **kw)
+
+
+def _run_ep(case, bounds, world, mode="throughput", max_tokens_per_rank=None, rsf=1.0, output_dtype="bfloat16",
+            drop=(), group_calls=None):
+    """Each rank r holds tokens [bounds[r], bounds[r+1]) and weights of experts [r*E/W, (r+1)*E/W)."""
+    num_experts = case["num_experts"]
+    per = num_experts // world
+
+    def rank_fn(rank, transport):
+        mine = _slice_tokens(case, bounds[rank], bounds[rank + 1])
+        lo, hi = rank * per, (rank + 1) * per
+        weights = {k: (None if case.get(k) is None else case[k][lo:hi])
+                   for k in ("w1", "w1_scale", "w2", "w2_scale", "w1_alpha", "w2_alpha")}
+        layer = ExpertParallelMoE(world, rank, num_experts, transport=transport, quant_mode=case["quant_mode"],
+                                  activation=case["activation"], gate_up_layout=case["gate_up_layout"],
+                                  routed_scaling_factor=rsf, output_dtype=output_dtype)
+        extra = {k: mine.get(k) for k in ("x_scale", "fc2_input_scale", "per_token_scale") if k not in drop}
+        return layer.forward(mine["x"], mine["topk_ids"], mine["topk_weights"], weights["w1"], weights["w1_scale"],
+                             weights["w2"], weights["w2_scale"], w1_alpha=weights["w1_alpha"],
+                             w2_alpha=weights["w2_alpha"], mode=mode,
+                             max_tokens_per_rank=max_tokens_per_rank if mode == "low_latency" else None, **extra)
+
+    return run_loopback(world, rank_fn)
+
+
+def _check_equal_per_rank(case, bounds, outs, rsf=1.0, output_dtype="bfloat16", drop=()):
+    used = 0.0
+    for r, out in enumerate(outs):
+        mine = _slice_tokens(case, bounds[r], bounds[r + 1])
+        for k in drop:
+            mine[k] = None
+        want = _single(mine, routed_scaling_factor=rsf, output_dtype=output_dtype)
+        assert out.shape == want.shape and out.dtype == want.dtype
+        np.testing.assert_array_equal(_bits(out), _bits(want), err_msg=f"rank {r}: EP != single-GPU")
+        used += float(np.sum(np.abs(want.astype(np.float32))))
+    assert used > 0, "every output is zero: the case tests nothing"
+
+
+def _routing(total, top_k, num_experts, seed, hot_lo=None, hot_hi=None, hot_share=0.0):
+    """Random distinct experts per token; hot_share of the slots drawn from [hot_lo, hot_hi)."""
+    rng = np.random.default_rng(seed)
+    ids = np.empty((total, top_k), np.int32)
+    for t in range(total):
+        row = []
+        while len(row) < top_k:
+            e = int(rng.integers(hot_lo, hot_hi)) if hot_lo is not None and rng.random() < hot_share else \
+                int(rng.integers(0, num_experts))
+            if e not in row:
+                row.append(e)
+        ids[t] = row
+    wts = rng.uniform(0.1, 1.0, ids.shape).astype(np.float32)
+    return ids, wts
+
+
+def _bounds(sizes):
+    return np.cumsum([0] + list(sizes)).tolist()
+
+
+# ---- the split entry points ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["w4a8_int4", "w4a16_int4", "w4a4", "w4a8", "w4a16"])
+def test_finalize_of_expert_rows_equals_deterministic_fused_moe(mode):
+    ids, wts = _routing(9, 4, 8, seed=3)
+    ids[0, 1], ids[2, 3], ids[5, 0] = -1, 8, 1  # invalid, out of range, and (below) non-local
+    case = _case(mode, ids, wts, num_experts=8, num_local_experts=4, local_expert_offset=2)
+    want = ops.fused_moe(**case, deterministic=True, routed_scaling_factor=1.75)
+    rows = qt.poison((9 * 4, H), qt.ref.BF16)
+    args = {k: v for k, v in case.items() if k not in ("topk_weights",)}
+    ops.moe_expert_rows(**args, rows=rows)
+    local = ((ids >= 2) & (ids < 6)).reshape(-1)
+    assert local.any() and not local.all()
+    assert not qt.poisoned_mask(rows[local]).any(), "a local slot's row was not written"
+    assert qt.poisoned_mask(rows[~local]).all(), "a non-local slot's row was written"
+    got = ops.moe_finalize(rows, ids, wts, num_experts=8, num_local_experts=4, local_expert_offset=2,
+                           routed_scaling_factor=1.75)  # NaN rows of non-local slots must not be read
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_moe_finalize_errors_name_the_argument():
+    ids, wts = _routing(3, 2, 4, seed=1)
+    rows = np.ones((6, H), qt.ref.BF16)
+    with pytest.raises(ValueError, match="'rows'"):
+        ops.moe_finalize(rows[:5], ids, wts, num_experts=4)
+    with pytest.raises(TypeError, match="'rows'"):
+        ops.moe_finalize(rows.astype(np.float32), ids, wts, num_experts=4)
+    with pytest.raises(ValueError, match="'num_local_experts'"):
+        ops.moe_finalize(rows, ids, wts, num_experts=4, num_local_experts=3, local_expert_offset=2)
+    with pytest.raises(ValueError, match="'output'"):
+        ops.moe_finalize(rows, ids, wts, num_experts=4, out=np.empty((3, 128), qt.ref.BF16))
+
+
+def test_moe_expert_rows_error_names_rows():
+    ids, wts = _routing(3, 2, 4, seed=1)
+    case = _case("w4a8_int4", ids, wts, num_experts=4)
+    args = {k: v for k, v in case.items() if k != "topk_weights"}
+    with pytest.raises(ValueError, match="'rows'"):
+        ops.moe_expert_rows(**args, rows=np.empty((3, H), qt.ref.BF16))
+
+
+# ---- the plan binding ------------------------------------------------------------------------------
+
+def test_plan_worked_example():
+    ids = np.array([[0, 3], [1, 0], [2, 9]], np.int32)
+    plan = _C.ep_plan(qmoe._tensors.arg(ids), 4, 2)
+    assert plan["send_counts"] == [2, 2] and plan["send_tokens"] == [0, 1, 0, 2]
+    assert plan["return_counts"] == [3, 2] and plan["return_slots"] == [0, 2, 3, 1, 4]
+    with pytest.raises(ValueError, match="'num_experts'"):
+        _C.ep_plan(qmoe._tensors.arg(ids), 6, 4)
+
+
+# ---- EP == single GPU, bit for bit -----------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode", ["throughput", "low_latency"])
+def test_uniform_routing(world, mode):
+    sizes = [5, 3, 4, 6][:world]
+    ids, wts = _routing(sum(sizes), 4, 8, seed=10 + world)
+    case = _case("w4a8_int4", ids, wts, num_experts=8)
+    bounds = _bounds(sizes)
+    outs = _run_ep(case, bounds, world, mode, max_tokens_per_rank=6 if mode == "low_latency" else None)
+    _check_equal_per_rank(case, bounds, outs)
+    # Static a1/a2: the ranks' outputs together are also the single-GPU output of the whole batch.
+    np.testing.assert_array_equal(_bits(np.concatenate(outs)), _bits(_single(case)))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode", ["throughput", "low_latency"])
+def test_skewed_routing_80_percent_to_one_rank(world, mode):
+    sizes = [7] * world
+    per = 16 // world
+    ids, wts = _routing(sum(sizes), 4, 16, seed=20 + world, hot_lo=per, hot_hi=2 * per, hot_share=0.8)
+    owners = ids // per
+    assert np.mean(owners == 1) > 0.6  # rank 1's experts take most slots
+    case = _case("w4a8_int4", ids, wts, num_experts=16)
+    bounds = _bounds(sizes)
+    _check_equal_per_rank(case, bounds, _run_ep(case, bounds, world, mode, max_tokens_per_rank=8))
+
+
+@pytest.mark.parametrize("mode", ["throughput", "low_latency"])
+def test_a_rank_receives_no_tokens(mode):
+    world, sizes = 4, [4, 5, 3, 2]
+    ids, wts = _routing(sum(sizes), 2, 6, seed=30)  # experts 0..5 of 8: rank 3 (experts 6, 7) gets nothing
+    case = _case("w4a8_int4", ids, wts, num_experts=8)
+    assert not (ids >= 6).any()
+    bounds = _bounds(sizes)
+    _check_equal_per_rank(case, bounds, _run_ep(case, bounds, world, mode, max_tokens_per_rank=5))
+
+
+@pytest.mark.parametrize("mode", ["throughput", "low_latency"])
+def test_one_token_per_rank_and_scaling_factor(mode):
+    world = 4
+    ids, wts = _routing(world, 3, 8, seed=40)
+    case = _case("w4a8_int4", ids, wts, num_experts=8)
+    bounds = _bounds([1] * world)
+    outs = _run_ep(case, bounds, world, mode, max_tokens_per_rank=1, rsf=2.5, output_dtype="float32")
+    _check_equal_per_rank(case, bounds, outs, rsf=2.5, output_dtype="float32")
+
+
+def test_invalid_ids_and_repeated_expert():
+    world, sizes = 2, [4, 4]
+    ids, wts = _routing(8, 4, 8, seed=50)
+    ids[0, 0], ids[3, 2], ids[6, 1] = -1, 8, 100
+    ids[1] = [5, 5, 5, 2]  # the same expert three times counts three times
+    case = _case("w4a8_int4", ids, wts, num_experts=8)
+    bounds = _bounds(sizes)
+    _check_equal_per_rank(case, bounds, _run_ep(case, bounds, world))
+
+
+@pytest.mark.parametrize("a1", ["per_token", "dynamic", "e4m3_input"])
+def test_a1_variants_travel_with_the_tokens(a1):
+    world, sizes = 2, [6, 5]
+    ids, wts = _routing(11, 4, 8, seed=60)
+    case = _case("w4a8_int4", ids, wts, num_experts=8)
+    drop = ()
+    if a1 == "per_token":
+        case["x_scale"] = (np.abs(case["x"].astype(np.float32)).max(axis=1) / 448).astype(np.float32)
+    elif a1 == "dynamic":  # amax over each HOME rank's x: equals fused_moe on that rank's tokens
+        drop = ("x_scale",)
+    else:
+        case["x"], scale = qmoe.quant.quantize_fp8(case["x"], per_token=True)
+        case["x_scale"] = scale.reshape(-1)
+    bounds = _bounds(sizes)
+    _check_equal_per_rank(case, bounds, _run_ep(case, bounds, world, drop=drop), drop=drop)
+
+
+@pytest.mark.parametrize("mode", ["w4a16_int4", "w4a4", "w4a4_per_token", "w4a8", "w4a16"])
+def test_other_quant_modes(mode):
+    per_token = mode == "w4a4_per_token"
+    quant_mode = "w4a4" if per_token else mode
+    world, sizes = 2, [5, 4]
+    ids, wts = _routing(9, 4, 8, seed=70)
+    case = _case(quant_mode, ids, wts, num_experts=8, per_token=per_token)
+    bounds = _bounds(sizes)
+    for ep_mode in ("throughput", "low_latency"):
+        _check_equal_per_rank(case, bounds, _run_ep(case, bounds, world, ep_mode, max_tokens_per_rank=5))
+
+
+# ---- the rules ----------------------------------------------------------------------------------------
+
+def test_dynamic_a2_is_refused_with_a_clear_error():
+    ids, wts = _routing(4, 2, 4, seed=80)
+    case = _case("w4a8_int4", ids, wts, num_experts=4)
+    with pytest.raises(ValueError, match="'fc2_input_scale'.*static a2"):
+        _run_ep(case, _bounds([2, 2]), 2, drop=("fc2_input_scale",))
+
+
+def test_low_latency_capacity_error_names_max_tokens_per_rank():
+    ids, wts = _routing(7, 2, 4, seed=90)
+    case = _case("w4a8_int4", ids, wts, num_experts=4)
+    with pytest.raises(ValueError, match="'max_tokens_per_rank'.*T = 4"):
+        _run_ep(case, _bounds([3, 4]), 2, "low_latency", max_tokens_per_rank=3)  # rank 1 holds 4 tokens
+    with pytest.raises(ValueError, match="'max_tokens_per_rank'"):
+        _run_ep(case, _bounds([3, 4]), 2, "low_latency", max_tokens_per_rank=None)
+
+
+def test_max_tokens_per_rank_is_refused_in_throughput_mode():
+    group = LoopbackGroup(1)
+    ids, wts = _routing(2, 2, 4, seed=92)
+    case = _case("w4a8_int4", ids, wts, num_experts=4)
+    layer = ExpertParallelMoE(1, 0, 4, transport=group.transport(0))
+    with pytest.raises(ValueError, match="'max_tokens_per_rank'"):
+        layer.forward(case["x"], ids, wts, case["w1"], case["w1_scale"], case["w2"], case["w2_scale"],
+                      x_scale=case["x_scale"], fc2_input_scale=case["fc2_input_scale"], max_tokens_per_rank=4)
+
+
+def test_low_latency_exchanges_no_counts():
+    """Throughput: counts + 2 payload tensors (e4m3 x, a1) + topk_ids + rows back; low latency: no counts."""
+    ids, wts = _routing(6, 2, 4, seed=91)
+    case = _case("w4a8_int4", ids, wts, num_experts=4)
+    calls = {}
+    for mode in ("throughput", "low_latency"):
+        group = LoopbackGroup(2)
+
+        def rank_fn(rank, transport, mode=mode):
+            mine = _slice_tokens(case, 3 * rank, 3 * rank + 3)
+            layer = ExpertParallelMoE(2, rank, 4, transport=transport)
+            sl = slice(2 * rank, 2 * rank + 2)
+            return layer.forward(mine["x"], mine["topk_ids"], mine["topk_weights"], case["w1"][sl],
+                                 case["w1_scale"][sl], case["w2"][sl], case["w2_scale"][sl],
+                                 x_scale=case["x_scale"], fc2_input_scale=case["fc2_input_scale"], mode=mode,
+                                 max_tokens_per_rank=3 if mode == "low_latency" else None)
+
+        outs = run_loopback(2, rank_fn, group=group)
+        _check_equal_per_rank(case, [0, 3, 6], outs)
+        calls[mode] = group.calls
+    assert calls == {"throughput": 5, "low_latency": 4}
+
+
+def test_constructor_checks():
+    group = LoopbackGroup(2)
+    with pytest.raises(ValueError, match="'num_experts'"):
+        ExpertParallelMoE(2, 0, 7, transport=group.transport(0))
+    with pytest.raises(ValueError, match="'transport'"):
+        ExpertParallelMoE(2, 0, 8, transport=group.transport(1))
+    with pytest.raises(ValueError, match="'quant_mode'"):
+        ExpertParallelMoE(2, 0, 8, transport=group.transport(0), quant_mode="fp8")
+
+
+# ---- NCCL loader (no GPU needed) ----------------------------------------------------------------------
+
+def test_nccl_all_to_all_checks_arguments_before_loading():
+    with pytest.raises(ValueError, match="'comm'"):
+        _C.nccl_all_to_all_v(0, [], [], 0)
+
+
+def test_nccl_missing_library_is_a_clear_error():
+    code = ("import qmoe\nfrom qmoe import _C\nassert not _C.nccl_available()\n"
+            "try:\n    _C.nccl_version()\nexcept RuntimeError as e:\n    print(e)\n")
+    env = dict(os.environ, QMOE_NCCL_LIBRARY="/nonexistent/libnccl.so.2")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "'nccl'" in res.stdout and "/nonexistent/libnccl.so.2" in res.stdout and "QMOE_NCCL_LIBRARY" in res.stdout
+
+
+def test_nccl_loads_when_installed():
+    if not nccl_available():
+        pytest.skip("no libnccl on this machine")
+    assert _C.nccl_version() >= 20700  # send/recv need NCCL >= 2.7
+    assert "nccl" in _C.nccl_library()
