@@ -39,6 +39,24 @@ def _dtype_name(dtype) -> str:
     return name
 
 
+def _layer_args(quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha, fc2_input_scale, w2,
+                w2_scale, w2_alpha, per_token_scale, output, num_experts, num_local_experts, local_expert_offset,
+                activation, swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout,
+                deterministic, routed_scaling_factor, tactic):
+    """The positional arguments of _C.fused_moe / _C.moe_expert_rows (output = (tensor, name))."""
+    return (
+        quant_mode, arg(x, "x"), arg(x_scale, "x_scale"), arg(topk_ids, "topk_ids"),
+        arg(topk_weights, "topk_weights"), arg(w1, "w1"), arg(w1_scale, "w1_scale"), arg(w1_alpha, "w1_alpha"),
+        arg(fc2_input_scale, "fc2_input_scale"), arg(w2, "w2"), arg(w2_scale, "w2_scale"),
+        arg(w2_alpha, "w2_alpha"), arg(per_token_scale, "per_token_scale"), arg(output[0], output[1], output=True),
+        as_int(num_experts, "num_experts"),
+        as_int(num_experts if num_local_experts is None else num_local_experts, "num_local_experts"),
+        as_int(local_expert_offset, "local_expert_offset"),
+        activation, float(swiglu_alpha), float(swiglu_beta), float(min(swiglu_limit, np.finfo(np.float32).max)),
+        float(situ_beta), None if situ_linear_beta is None else float(situ_linear_beta), gate_up_layout,
+        bool(deterministic), float(routed_scaling_factor), tactic or "")
+
+
 def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mode, num_experts,
               x_scale=None, w1_alpha=None, w2_alpha=None, fc2_input_scale=None, per_token_scale=None,
               num_local_experts=None, local_expert_offset=0, activation="swiglu", swiglu_alpha=1.0,
@@ -66,17 +84,10 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
     num_tokens, hidden = topk_ids.shape[0], w2.shape[1]
     if out is None:
         out = empty_like_framework(x, (num_tokens, hidden), _dtype_name(output_dtype))
-    args = (
-        quant_mode, arg(x, "x"), arg(x_scale, "x_scale"), arg(topk_ids, "topk_ids"),
-        arg(topk_weights, "topk_weights"), arg(w1, "w1"), arg(w1_scale, "w1_scale"), arg(w1_alpha, "w1_alpha"),
-        arg(fc2_input_scale, "fc2_input_scale"), arg(w2, "w2"), arg(w2_scale, "w2_scale"),
-        arg(w2_alpha, "w2_alpha"), arg(per_token_scale, "per_token_scale"), arg(out, "out", output=True),
-        as_int(num_experts, "num_experts"),
-        as_int(num_experts if num_local_experts is None else num_local_experts, "num_local_experts"),
-        as_int(local_expert_offset, "local_expert_offset"),
-        activation, float(swiglu_alpha), float(swiglu_beta), float(min(swiglu_limit, np.finfo(np.float32).max)),
-        float(situ_beta), None if situ_linear_beta is None else float(situ_linear_beta), gate_up_layout,
-        bool(deterministic), float(routed_scaling_factor), tactic or "")
+    args = _layer_args(quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha, fc2_input_scale,
+                       w2, w2_scale, w2_alpha, per_token_scale, (out, "out"), num_experts, num_local_experts,
+                       local_expert_offset, activation, swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta,
+                       situ_linear_beta, gate_up_layout, deterministic, routed_scaling_factor, tactic)
     workspace = None
     if is_torch(x) and x.is_cuda:
         # Scratch of the GPU pipeline (exact size from C++; validates the call first). Allocated by
@@ -130,15 +141,10 @@ def moe_expert_rows(x, topk_ids, w1, w1_scale, w2, w2_scale, *, quant_mode, num_
         ones = torch.ones((num_tokens, top_k), dtype=torch.float32, device=x.device)
     else:
         ones = np.ones((num_tokens, top_k), np.float32)
-    _C.moe_expert_rows(
-        quant_mode, arg(x, "x"), arg(x_scale, "x_scale"), arg(topk_ids, "topk_ids"), arg(ones, "topk_weights"),
-        arg(w1, "w1"), arg(w1_scale, "w1_scale"), arg(w1_alpha, "w1_alpha"), arg(fc2_input_scale, "fc2_input_scale"),
-        arg(w2, "w2"), arg(w2_scale, "w2_scale"), arg(w2_alpha, "w2_alpha"), arg(per_token_scale, "per_token_scale"),
-        arg(rows, "rows", output=True), as_int(num_experts, "num_experts"),
-        as_int(num_experts if num_local_experts is None else num_local_experts, "num_local_experts"),
-        as_int(local_expert_offset, "local_expert_offset"), activation, float(swiglu_alpha), float(swiglu_beta),
-        float(min(swiglu_limit, np.finfo(np.float32).max)), float(situ_beta),
-        None if situ_linear_beta is None else float(situ_linear_beta), gate_up_layout, True, 1.0, "")
+    _C.moe_expert_rows(*_layer_args(
+        quant_mode, x, x_scale, topk_ids, ones, w1, w1_scale, w1_alpha, fc2_input_scale, w2, w2_scale, w2_alpha,
+        per_token_scale, (rows, "rows"), num_experts, num_local_experts, local_expert_offset, activation,
+        swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout, True, 1.0, None))
     return rows
 
 
