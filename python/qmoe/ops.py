@@ -39,12 +39,18 @@ def _dtype_name(dtype) -> str:
     return name
 
 
-def _layer_args(quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha, fc2_input_scale, w2,
+def _run_with_tactic(call, tactic, workspace, x):
+    """One run of the layer with a given tactic (the autotuner times these)."""
+    call.tactic = tactic
+    _C.fused_moe(call, arg(workspace, "workspace"), current_stream(x))
+
+
+def _layer_call(quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha, fc2_input_scale, w2,
                 w2_scale, w2_alpha, per_token_scale, output, num_experts, num_local_experts, local_expert_offset,
                 activation, swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout,
                 deterministic, routed_scaling_factor, tactic):
-    """The positional arguments of _C.fused_moe / _C.moe_expert_rows (output = (tensor, name))."""
-    return (
+    """The _C.LayerCall of one fused-MoE call (output = (tensor, name)), validated on use."""
+    return _C.LayerCall(
         quant_mode, arg(x, "x"), arg(x_scale, "x_scale"), arg(topk_ids, "topk_ids"),
         arg(topk_weights, "topk_weights"), arg(w1, "w1"), arg(w1_scale, "w1_scale"), arg(w1_alpha, "w1_alpha"),
         arg(fc2_input_scale, "fc2_input_scale"), arg(w2, "w2"), arg(w2_scale, "w2_scale"),
@@ -84,7 +90,7 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
     num_tokens, hidden = topk_ids.shape[0], w2.shape[1]
     if out is None:
         out = empty_like_framework(x, (num_tokens, hidden), _dtype_name(output_dtype))
-    args = _layer_args(quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha, fc2_input_scale,
+    call = _layer_call(quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha, fc2_input_scale,
                        w2, w2_scale, w2_alpha, per_token_scale, (out, "out"), num_experts, num_local_experts,
                        local_expert_offset, activation, swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta,
                        situ_linear_beta, gate_up_layout, deterministic, routed_scaling_factor, tactic)
@@ -95,7 +101,7 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
         # it comes from the graph's private pool, so captured calls stay replayable.
         import torch
 
-        nbytes = _C.fused_moe_workspace_size(*args)
+        nbytes = _C.fused_moe_workspace_size(call)
         if nbytes > 0:
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
         if not tactic and quant_mode == "w4a8_int4" and _C.kernels_built():
@@ -110,9 +116,9 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
                 topk=topk_ids.shape[1], activation=activation, gate_up_layout=gate_up_layout,
                 deterministic=bool(deterministic), x_dtype=str(x.dtype).replace("torch.", ""),
                 out_dtype=str(out.dtype).replace("torch.", ""), device=x.device,
-                run=lambda name: _C.fused_moe(*args[:-1], name, arg(workspace, "workspace"), current_stream(x)))
-            args = args[:-1] + (chosen or "",)
-    _C.fused_moe(*args, arg(workspace, "workspace"), current_stream(x))
+                run=lambda name: _run_with_tactic(call, name, workspace, x))
+            call.tactic = chosen or ""
+    _C.fused_moe(call, arg(workspace, "workspace"), current_stream(x))
     return out
 
 
@@ -141,7 +147,7 @@ def moe_expert_rows(x, topk_ids, w1, w1_scale, w2, w2_scale, *, quant_mode, num_
         ones = torch.ones((num_tokens, top_k), dtype=torch.float32, device=x.device)
     else:
         ones = np.ones((num_tokens, top_k), np.float32)
-    _C.moe_expert_rows(*_layer_args(
+    _C.moe_expert_rows(_layer_call(
         quant_mode, x, x_scale, topk_ids, ones, w1, w1_scale, w1_alpha, fc2_input_scale, w2, w2_scale, w2_alpha,
         per_token_scale, (rows, "rows"), num_experts, num_local_experts, local_expert_offset, activation,
         swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout, True, 1.0, None))

@@ -104,7 +104,15 @@ FusedMoeParams fused_params(const std::string& quant_mode, const Arg& x, const A
   return p;
 }
 
-// The argument names shared by fused_moe and fused_moe_workspace_size.
+// One fused-MoE layer call as Python hands it over: the parameters, plus the Python argument objects
+// that own its tensors (so a LayerCall stays valid for as long as Python holds it). fused_moe,
+// fused_moe_workspace_size and moe_expert_rows all take one.
+struct LayerCall {
+  FusedMoeParams params;
+  std::vector<nb::object> owners;
+};
+
+// The argument names of LayerCall's constructor.
 #define FUSED_MOE_ARGS                                                                                              \
   nb::arg("quant_mode"), nb::arg("x"), nb::arg("x_scale").none(), nb::arg("topk_ids"), nb::arg("topk_weights"),   \
       nb::arg("w1"), nb::arg("w1_scale"), nb::arg("w1_alpha").none(), nb::arg("fc2_input_scale").none(),          \
@@ -169,70 +177,57 @@ void bind_ops(nb::module_& m) {
       },
       nb::arg("n"), nb::arg("k"), nb::arg("total_rows"), nb::arg("num_experts"), nb::arg("topk") = 8);
 
-  // fused_moe_workspace_size takes fused_moe's arguments minus workspace and stream (output included:
-  // the size query validates the whole call, output too, so a bad call fails before allocating).
-  m.def(
-      "fused_moe_workspace_size",
-      [](const std::string& quant_mode, const Arg& x, const Arg* x_scale, const Arg& topk_ids,
-         const Arg& topk_weights, const Arg& w1, const Arg& w1_scale, const Arg* w1_alpha,
-         const Arg* fc2_input_scale, const Arg& w2, const Arg& w2_scale, const Arg* w2_alpha,
-         const Arg* per_token_scale, const Arg& output, int64_t num_experts, int64_t num_local_experts,
-         int64_t local_expert_offset, const std::string& activation, float swiglu_alpha, float swiglu_beta,
-         float swiglu_limit, float situ_beta, std::optional<float> situ_linear_beta,
-         const std::string& gate_up_layout, bool deterministic, float routed_scaling_factor,
-         const std::string& tactic) {
-        const FusedMoeParams p = fused_params(
-            quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha, fc2_input_scale, w2, w2_scale,
-            w2_alpha, per_token_scale, output, num_experts, num_local_experts, local_expert_offset, activation,
-            swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout, deterministic,
-            routed_scaling_factor, tactic);
-        return fused_moe_workspace_size(p);
-      },
-      FUSED_MOE_ARGS);
+  nb::class_<LayerCall>(m, "LayerCall")
+      .def(
+          "__init__",
+          [](LayerCall* self, const std::string& quant_mode, const Arg& x, const Arg* x_scale, const Arg& topk_ids,
+             const Arg& topk_weights, const Arg& w1, const Arg& w1_scale, const Arg* w1_alpha,
+             const Arg* fc2_input_scale, const Arg& w2, const Arg& w2_scale, const Arg* w2_alpha,
+             const Arg* per_token_scale, const Arg& output, int64_t num_experts, int64_t num_local_experts,
+             int64_t local_expert_offset, const std::string& activation, float swiglu_alpha, float swiglu_beta,
+             float swiglu_limit, float situ_beta, std::optional<float> situ_linear_beta,
+             const std::string& gate_up_layout, bool deterministic, float routed_scaling_factor,
+             const std::string& tactic) {
+            LayerCall call{fused_params(quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha,
+                                        fc2_input_scale, w2, w2_scale, w2_alpha, per_token_scale, output,
+                                        num_experts, num_local_experts, local_expert_offset, activation,
+                                        swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta,
+                                        gate_up_layout, deterministic, routed_scaling_factor, tactic),
+                           {}};
+            for (const Arg* a : {&x, x_scale, &topk_ids, &topk_weights, &w1, &w1_scale, w1_alpha, fc2_input_scale,
+                                 &w2, &w2_scale, w2_alpha, per_token_scale, &output})
+              if (a != nullptr) call.owners.push_back(nb::find(a));
+            new (self) LayerCall(std::move(call));
+          },
+          FUSED_MOE_ARGS)
+      .def_prop_rw(
+          "tactic", [](const LayerCall& c) { return c.params.tactic; },
+          [](LayerCall& c, const std::string& tactic) { c.params.tactic = tactic; });
+
+  // Bytes of scratch the GPU pipeline needs (validates the whole call first, so a bad call fails
+  // before anything is allocated); 0 on the CPU.
+  m.def("fused_moe_workspace_size", [](const LayerCall& c) { return fused_moe_workspace_size(c.params); },
+        nb::arg("call"));
 
   m.def(
       "fused_moe",
-      [](const std::string& quant_mode, const Arg& x, const Arg* x_scale, const Arg& topk_ids,
-         const Arg& topk_weights, const Arg& w1, const Arg& w1_scale, const Arg* w1_alpha,
-         const Arg* fc2_input_scale, const Arg& w2, const Arg& w2_scale, const Arg* w2_alpha,
-         const Arg* per_token_scale, Arg& output, int64_t num_experts, int64_t num_local_experts,
-         int64_t local_expert_offset, const std::string& activation, float swiglu_alpha, float swiglu_beta,
-         float swiglu_limit, float situ_beta, std::optional<float> situ_linear_beta,
-         const std::string& gate_up_layout, bool deterministic, float routed_scaling_factor,
-         const std::string& tactic, const Arg* workspace, uintptr_t stream) {
-        const FusedMoeParams p = fused_params(
-            quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha, fc2_input_scale, w2, w2_scale,
-            w2_alpha, per_token_scale, output, num_experts, num_local_experts, local_expert_offset, activation,
-            swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout, deterministic,
-            routed_scaling_factor, tactic);
+      [](const LayerCall& c, const Arg* workspace, uintptr_t stream) {
         void* ws = workspace ? workspace->ref.data : nullptr;
         const int64_t ws_bytes = workspace ? workspace->ref.numel() * dtype_size(workspace->ref.dtype) : 0;
         nb::gil_scoped_release release;
-        fused_moe(p, ws, ws_bytes, as_stream(stream));
+        fused_moe(c.params, ws, ws_bytes, as_stream(stream));
       },
-      FUSED_MOE_ARGS, nb::arg("workspace").none(), nb::arg("stream"));
+      nb::arg("call"), nb::arg("workspace").none(), nb::arg("stream"));
 
-  // moe_expert_rows takes fused_moe's arguments with `output` = rows bf16 [T*k, H] (written per local
-  // slot, see include/qmoe/fused_moe.h); deterministic and routed_scaling_factor are not used.
+  // The call's `output` is rows bf16 [T*k, H], written per local slot (include/qmoe/fused_moe.h);
+  // deterministic and routed_scaling_factor are not used.
   m.def(
       "moe_expert_rows",
-      [](const std::string& quant_mode, const Arg& x, const Arg* x_scale, const Arg& topk_ids,
-         const Arg& topk_weights, const Arg& w1, const Arg& w1_scale, const Arg* w1_alpha,
-         const Arg* fc2_input_scale, const Arg& w2, const Arg& w2_scale, const Arg* w2_alpha,
-         const Arg* per_token_scale, Arg& output, int64_t num_experts, int64_t num_local_experts,
-         int64_t local_expert_offset, const std::string& activation, float swiglu_alpha, float swiglu_beta,
-         float swiglu_limit, float situ_beta, std::optional<float> situ_linear_beta,
-         const std::string& gate_up_layout, bool deterministic, float routed_scaling_factor,
-         const std::string& tactic) {
-        const FusedMoeParams p = fused_params(
-            quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1_alpha, fc2_input_scale, w2, w2_scale,
-            w2_alpha, per_token_scale, output, num_experts, num_local_experts, local_expert_offset, activation,
-            swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout, deterministic,
-            routed_scaling_factor, tactic);
+      [](const LayerCall& c) {
         nb::gil_scoped_release release;
-        moe_expert_rows(p, output.ref);
+        moe_expert_rows(c.params, c.params.output);
       },
-      FUSED_MOE_ARGS);
+      nb::arg("call"));
 #undef FUSED_MOE_ARGS
 
   m.def(

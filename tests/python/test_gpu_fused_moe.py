@@ -330,10 +330,10 @@ def test_graph_capture_replays_with_new_routing():
 # ------------------------------------------------------------------------------------------------
 # errors
 # ------------------------------------------------------------------------------------------------
-def _raw_args(case_dev: dict, out: torch.Tensor):
-    """fused_moe's positional _C arguments (as qmoe.ops builds them), without workspace/stream."""
+def _layer_call(case_dev: dict, out: torch.Tensor):
+    """The _C.LayerCall of one fused_moe call (as qmoe.ops builds it)."""
     c = case_dev
-    return (MODE, arg(c["x"]), arg(c.get("x_scale")), arg(c["topk_ids"]), arg(c["topk_weights"]), arg(c["w1"]),
+    return _C.LayerCall(MODE, arg(c["x"]), arg(c.get("x_scale")), arg(c["topk_ids"]), arg(c["topk_weights"]), arg(c["w1"]),
             arg(c["w1_scale"]), None, arg(c.get("fc2_input_scale")), arg(c["w2"]), arg(c["w2_scale"]), None, None,
             arg(out), c["num_experts"], c["num_experts"], 0, "swiglu", 1.0, 0.0,
             float(np.finfo(np.float32).max), 1.0, None, "gate_up", True, 1.0, "")
@@ -342,23 +342,23 @@ def _raw_args(case_dev: dict, out: torch.Tensor):
 def test_workspace_size_and_errors():
     dev = on_device(make_case(5, 2, 8, seed=25))
     out = torch.full((5, 256), float("nan"), dtype=torch.bfloat16, device=DEV)
-    args = _raw_args(dev, out)
-    need = _C.fused_moe_workspace_size(*args)
+    call = _layer_call(dev, out)
+    need = _C.fused_moe_workspace_size(call)
     assert need > 0
     stream = current_stream(out)
     # no workspace, one byte short: 'workspace' errors, output untouched
     for ws in (None, torch.empty(need - 1, dtype=torch.uint8, device=DEV)):
         with pytest.raises(Exception, match="workspace"):
-            _C.fused_moe(*args, arg(ws), stream)
+            _C.fused_moe(call, arg(ws), stream)
     torch.cuda.synchronize()
     assert torch.isnan(out.float()).all()
     # misaligned workspace
     big = torch.empty(need + 256, dtype=torch.uint8, device=DEV)
     with pytest.raises(Exception, match="workspace"):
-        _C.fused_moe(*args, arg(big[1:need + 1]), stream)
+        _C.fused_moe(call, arg(big[1:need + 1]), stream)
     # exactly the size is enough
     ws = torch.empty(need, dtype=torch.uint8, device=DEV)
-    _C.fused_moe(*args, arg(ws), stream)
+    _C.fused_moe(call, arg(ws), stream)
     torch.cuda.synchronize()
     assert torch.isfinite(out.float()).all()
 
