@@ -44,6 +44,9 @@ const std::vector<Tactic>& compiled() {
       make(Family::kPrefill, 128, 64, 256),
       // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
       make(Family::kPrefill, 128, 128, 128),
+      // WGMMA with 64-token tiles, for 33-95 rows per expert: compiled, not yet chosen by the
+      // heuristic (to be measured against prefill_m128_n64_k256, tests/gpu/w4a8_gemm_check.cu).
+      make(Family::kPrefill, 128, 64, 128),
   };
   return list;
 }

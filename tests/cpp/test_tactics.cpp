@@ -81,7 +81,7 @@ TEST(Tactics, NoValidTacticOutsideLimits) {
 
 TEST(Tactics, NameRoundTrip) {
   auto valid = qmoe::valid_tactics(problem(8));
-  EXPECT_EQ(valid.size(), 5u);
+  EXPECT_EQ(valid.size(), 6u);
   for (const auto& t : valid) {
     EXPECT_EQ(qmoe::parse_tactic(t.name()), t);
     EXPECT_EQ(qmoe::parse_tactic(t.name()).name(), t.name());

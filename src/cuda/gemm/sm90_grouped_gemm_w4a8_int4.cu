@@ -126,8 +126,8 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     launch<4, 1, 1, 4, 4, 3, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kPrefill, 128, 64, 256)) {
     launch<2, 2, 4, 4, 2, 3, 2>(params, fp32_out, rows, device, stream);
-  } else if (is(Family::kPrefill, 128, 128, 128)) {
-    // WGMMA kernel (sm90_grouped_gemm_w4a8_int4_wgmma.cu): 128 weight rows x 128 tokens.
+  } else if (is(Family::kPrefill, 128, 128, 128) || is(Family::kPrefill, 128, 64, 128)) {
+    // WGMMA kernel (sm90_grouped_gemm_w4a8_int4_wgmma.cu): 128 weight rows x 128 or 64 tokens.
     WgmmaGemmParams w;
     w.a = params.a;
     w.b = params.b;
@@ -141,7 +141,7 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     w.k = params.k;
     w.a_scales_per_row = params.a_scales_per_row;
     w.scales_packed4 = params.scales_packed4;
-    launch_w4a8_wgmma_prefill(w, fp32_out, stream);
+    launch_w4a8_wgmma_prefill(w, tactic.tile_n, fp32_out, stream);
   } else {
     throw Error("tactic", "a tactic compiled into this build (see valid_tactics)", tactic.name());
   }

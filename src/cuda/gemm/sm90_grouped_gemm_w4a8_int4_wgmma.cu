@@ -10,34 +10,44 @@
 // in e4m3) and fed as the register A operand; the N side holds 128 token rows of activations, read
 // by the tensor cores from shared memory (B operand, K-major, 128-byte swizzle). One pipeline stage
 // is one K group: 16 KB of activations, 8 KB of weights, the tile's scales; cp.async fills STAGES of
-// them ahead, across tile boundaries. A persistent grid walks the (expert, feature tile, token tile)
+// them ahead, across tile boundaries. A 64-token variant (wgmma m64n64k32) serves experts with
+// fewer rows. A persistent grid walks the (expert, feature tile, token tile)
 // list built in shared memory from the device-side problem sizes, so empty experts cost nothing.
 // Limits (checked by the caller): K % 128 == 0, N % 8 == 0, E <= 1024, 16-byte aligned pointers.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "cuda/common/int4_to_e4m3.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
+#include "qmoe/error.h"
 
 namespace qmoe::cuda {
 namespace wgmma_prefill {
 
 constexpr int kThreads = 256;  // two warpgroups, both load and compute
 constexpr int kTileM = 128;    // weight rows (64 per warpgroup: the wgmma M)
-constexpr int kTileN = 128;    // token rows (the wgmma N)
 constexpr int kGroup = 128;    // K per stage: one quantization group
-constexpr int kStages = 4;     // 4 x 25 KB: deep enough to cover HBM latency, one CTA per SM
+constexpr int kStages = 4;     // 4 x 17-25 KB: deep enough to cover HBM latency, one CTA per SM
 constexpr int kMaxExperts = kTileListMaxExperts;
-constexpr int kStageA = kTileN * kGroup;       // activations, 128 rows x 128 bytes (1024-aligned)
 constexpr int kStageW = kTileM * kGroup / 2;   // weights, 128 rows x 64 bytes
 constexpr int kStageS = kTileM * 8;            // scales: packed-4 rows of 8 bytes (packed-1 uses 256 bytes)
-constexpr int kStageBytes = kStageA + kStageW + kStageS;
-static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
 constexpr int kTileStartBytes = (kMaxExperts + 1) * 4 + 32 * 4;  // tile prefix + warp totals
-constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kTileStartBytes;  // + alignment slack
+
+// TILE_N token rows per tile (the wgmma N: 128, or 64 for experts with fewer rows).
+template <int TILE_N>
+struct Shape {
+  static_assert(TILE_N == 64 || TILE_N == 128, "wgmma m64n64k32 or m64n128k32");
+  static constexpr int kAcc = TILE_N / 2;                 // fp32 accumulator registers per thread
+  static constexpr int kStageA = TILE_N * kGroup;         // activations, TILE_N rows x 128 bytes
+  static constexpr int kStageBytes = kStageA + kStageW + kStageS;
+  static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kTileStartBytes;  // + alignment slack
+  static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
+};
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -63,9 +73,10 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // NOTE: keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma.
-__device__ __forceinline__ void fence_operands(float (&d)[64]) {
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // d (64 x 128 fp32 per warpgroup) (+)= A (64 x 32 e4m3, registers) * B^T (128 x 32 e4m3, smem).
@@ -78,6 +89,23 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint32_t a0, ui
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(accumulate));
 }
 
+// d (64 x 64 fp32 per warpgroup) (+)= A (64 x 32 e4m3, registers) * B^T (64 x 32 e4m3, smem).
+__device__ __forceinline__ void wgmma_m64n64k32(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                uint32_t a3, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(accumulate));
+}
+
+template <int TILE_N>
+__device__ __forceinline__ void wgmma_k32(float (&d)[TILE_N / 2], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint64_t desc_b, int accumulate) {
+  if constexpr (TILE_N == 128) wgmma_m64n128k32(d, a0, a1, a2, a3, desc_b, accumulate);
+  else wgmma_m64n64k32(d, a0, a1, a2, a3, desc_b, accumulate);
+}
+
 // Four int4 (nibble i of v = K index i) -> four e4m3 bytes (byte i), exact.
 __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
   return int4x4_to_e4m3x4(v & 0x7777u, 0x3210u | ((v >> 1) & 0x4444u));
@@ -86,13 +114,15 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
 __device__ __forceinline__ void store_out(__nv_bfloat16* out, float v) { *out = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_out(float* out, float v) { *out = v; }
 
-template <class OutT>
-__global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
+template <class OutT, int TILE_N>
+__global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const WgmmaGemmParams p) {
+  using S = Shape<TILE_N>;
+  constexpr int kTileN = TILE_N;
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment for the swizzled activation tiles.
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* stages = smem;
-  int32_t* tile_start = reinterpret_cast<int32_t*>(smem + kStages * kStageBytes);
+  int32_t* tile_start = reinterpret_cast<int32_t*>(smem + kStages * S::kStageBytes);
   int32_t* warp_total = tile_start + kMaxExperts + 1;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -120,10 +150,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
     const int g = it % groups;
     if (g == 0) load_tile = tile_of(it / groups);
     const GroupedTile& t = load_tile;
-    uint8_t* st = stages + (it % kStages) * kStageBytes;
-    const uint32_t sa = smem_u32(st), sw = sa + kStageA, ss = sw + kStageW;
+    uint8_t* st = stages + (it % kStages) * S::kStageBytes;
+    const uint32_t sa = smem_u32(st), sw = sa + S::kStageA, ss = sw + kStageW;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kTileN / 32; ++i) {
       const int r = a_row + 32 * i;
       const bool valid = r < t.rows;
       const uint8_t* src = valid ? p.a + static_cast<int64_t>(t.row0 + r) * p.k + g * kGroup + a_chunk * 16 : p.a;
@@ -158,9 +188,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
   // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {gid, gid + 8}.
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + gid, r1 = r0 + 8;
-  float acc[64], part[64];
+  float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -177,8 +207,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
     if (it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
     cp_async_commit();
 
-    const uint8_t* st = stages + (it % kStages) * kStageBytes;
-    const uint8_t* sw = st + kStageA;
+    const uint8_t* st = stages + (it % kStages) * S::kStageBytes;
+    const uint8_t* sw = st + S::kStageA;
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(sw + kStageW);
     const int g = it % groups;
     // Weights: the 64 bytes (128 int4) of rows r0 and r1 in this group.
@@ -205,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
     wgmma_fence();
     fence_operands(part);
 #pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma_m64n128k32(part, a[s][0], a[s][1], a[s][2], a[s][3], desc + 2 * s, s > 0);
+    for (int s = 0; s < 4; ++s) wgmma_k32<kTileN>(part, a[s][0], a[s][1], a[s][2], a[s][3], desc + 2 * s, s > 0);
     wgmma_commit();
     wgmma_wait_all();
     fence_operands(part);
@@ -213,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
     const float s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
     const float s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < kTileN / 8; ++j) {
       acc[4 * j + 0] = fmaf(s0, part[4 * j + 0], acc[4 * j + 0]);
       acc[4 * j + 1] = fmaf(s0, part[4 * j + 1], acc[4 * j + 1]);
       acc[4 * j + 2] = fmaf(s1, part[4 * j + 2], acc[4 * j + 2]);
@@ -225,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
       const GroupedTile t = tile_of(it / groups);
       const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
+      for (int j = 0; j < kTileN / 8; ++j) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int c = 8 * j + 2 * tig + h;
@@ -247,23 +277,32 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
 }  // namespace wgmma_prefill
 
 namespace {
-template <class OutT>
+template <class OutT, int TILE_N>
 void launch_typed(const WgmmaGemmParams& params, cudaStream_t stream) {
-  auto kernel = wgmma_prefill::kernel<OutT>;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, wgmma_prefill::kSmemBytes),
+  constexpr int kSmem = wgmma_prefill::Shape<TILE_N>::kSmemBytes;
+  auto kernel = wgmma_prefill::kernel<OutT, TILE_N>;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "cudaFuncSetAttribute(w4a8 wgmma prefill)");
-  int device = 0, sms = 0;
+  int device = 0, sms = 0, per_sm = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  kernel<<<sms, wgmma_prefill::kThreads, wgmma_prefill::kSmemBytes, stream>>>(params);
+  // The 64-token tile needs ~120 registers and 75 KB: two CTAs fit on an SM, and both are used.
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, wgmma_prefill::kThreads, kSmem),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor(w4a8 wgmma prefill)");
+  kernel<<<sms * (per_sm > 0 ? per_sm : 1), wgmma_prefill::kThreads, kSmem, stream>>>(params);
   check_cuda(cudaGetLastError(), "w4a8 wgmma prefill launch");
 }
 }  // namespace
 
-void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, bool fp32_out, cudaStream_t stream) {
-  static_assert(wgmma_prefill::kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
-  if (fp32_out) launch_typed<float>(params, stream);
-  else launch_typed<__nv_bfloat16>(params, stream);
+void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int tile_n, bool fp32_out, cudaStream_t stream) {
+  check_arg(tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 64 or 128", std::to_string(tile_n));
+  if (tile_n == 128) {
+    if (fp32_out) launch_typed<float, 128>(params, stream);
+    else launch_typed<__nv_bfloat16, 128>(params, stream);
+  } else {
+    if (fp32_out) launch_typed<float, 64>(params, stream);
+    else launch_typed<__nv_bfloat16, 64>(params, stream);
+  }
 }
 
 }  // namespace qmoe::cuda

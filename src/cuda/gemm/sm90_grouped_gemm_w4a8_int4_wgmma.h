@@ -1,5 +1,5 @@
 // Launcher of the WGMMA prefill kernel of the W4A8 grouped GEMM
-// (sm90_grouped_gemm_w4a8_int4_wgmma.cu): 128 weight rows x 128 token rows per CTA tile.
+// (sm90_grouped_gemm_w4a8_int4_wgmma.cu): 128 weight rows x tile_n (64 or 128) token rows per CTA tile.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,6 +24,6 @@ struct WgmmaGemmParams {
   int scales_packed4;             // 1: K % 512 == 0 layout
 };
 
-void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, bool fp32_out, cudaStream_t stream);
+void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int tile_n, bool fp32_out, cudaStream_t stream);
 
 }  // namespace qmoe::cuda
