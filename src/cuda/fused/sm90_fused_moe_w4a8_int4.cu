@@ -93,17 +93,24 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
                          !dynamic_a1 && p.x_scale->numel() > 1, amax_x,
                          p.w1_alpha ? p.w1_alpha->ptr<const float>() : nullptr, a1, s1, stream);
 
-  // 5. GEMM1 into fp32 h (the expert blocks come from the routing buffers on the device).
-  W4A8MoeMmArgs g1;
-  g1.d = device_tensor(h, DType::kFloat32, {slots, rows1}, device);
-  g1.a = device_tensor(a1, DType::kFloat8E4M3, {slots, hidden}, device);
-  g1.b = p.w1;
-  g1.a_scales = device_tensor(s1, DType::kFloat32, {slots}, device);
-  g1.b_scales = p.w1_scale;
-  g1.expert_offsets = device_tensor(offsets, DType::kInt32, {local}, device);
-  g1.problem_sizes = device_tensor(sizes1, DType::kInt32, {local, 3}, device);
-  g1.topk = topk;
-  w4a8_moe_mm(g1, gemm1_tactic, stream);
+  // One grouped GEMM of the pipeline: d [slots, d_cols] = a [slots, a_cols] x w, per-row scale s; the
+  // expert blocks come from the routing buffers on the device.
+  auto grouped_gemm = [&](void* d, DType d_dtype, int64_t d_cols, void* a, int64_t a_cols, const TensorRef& w,
+                          const TensorRef& w_scale, float* s, int32_t* sizes, const Tactic& tactic) {
+    W4A8MoeMmArgs g;
+    g.d = device_tensor(d, d_dtype, {slots, d_cols}, device);
+    g.a = device_tensor(a, DType::kFloat8E4M3, {slots, a_cols}, device);
+    g.b = w;
+    g.a_scales = device_tensor(s, DType::kFloat32, {slots}, device);
+    g.b_scales = w_scale;
+    g.expert_offsets = device_tensor(offsets, DType::kInt32, {local}, device);
+    g.problem_sizes = device_tensor(sizes, DType::kInt32, {local, 3}, device);
+    g.topk = topk;
+    w4a8_moe_mm(g, tactic, stream);
+  };
+
+  // 5. GEMM1 into fp32 h.
+  grouped_gemm(h, DType::kFloat32, rows1, a1, hidden, p.w1, p.w1_scale, s1, sizes1, gemm1_tactic);
 
   // 6-7. Activation and requantization.
   fused::ActivationArgs act{p.activation,  p.gate_up_layout, p.swiglu_alpha,
@@ -115,16 +122,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
                             p.w2_alpha ? p.w2_alpha->ptr<const float>() : nullptr, a2, s2, stream);
 
   // 8. GEMM2 into bf16 rows.
-  W4A8MoeMmArgs g2;
-  g2.d = device_tensor(y, DType::kBFloat16, {slots, hidden}, device);
-  g2.a = device_tensor(a2, DType::kFloat8E4M3, {slots, inter}, device);
-  g2.b = p.w2;
-  g2.a_scales = device_tensor(s2, DType::kFloat32, {slots}, device);
-  g2.b_scales = p.w2_scale;
-  g2.expert_offsets = device_tensor(offsets, DType::kInt32, {local}, device);
-  g2.problem_sizes = device_tensor(sizes2, DType::kInt32, {local, 3}, device);
-  g2.topk = topk;
-  w4a8_moe_mm(g2, gemm2_tactic, stream);
+  grouped_gemm(y, DType::kBFloat16, hidden, a2, inter, p.w2, p.w2_scale, s2, sizes2, gemm2_tactic);
 
   // 9. Back to token order.
   fused::finalize(y, out_perm, p.topk_weights.ptr<const float>(), tokens, static_cast<int>(topk), hidden,
