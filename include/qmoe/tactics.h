@@ -14,6 +14,10 @@ struct GemmProblem {
   int64_t total_rows = 0;   // rows of A (all experts)
   int64_t num_experts = 0;  // groups
   int64_t topk = 8;
+  // false: the W4A8 grouped GEMM (int4 x e4m3: cutlass_w4a8_moe_mm, fused w4a8_int4);
+  // true: the bf16 x 4-bit grouped GEMM of the fused w4a16, w4a16_int4, w4a4 and w4a8 modes
+  // (src/cuda/gemm/sm90_grouped_gemm_bf16_w4.h), whose FP4 weights allow K % 32 == 0.
+  bool bf16_activations = false;
 };
 
 struct Tactic {
@@ -35,7 +39,7 @@ struct Tactic {
 std::vector<Tactic> valid_tactics(const GemmProblem& problem);
 // The heuristic choice (pure; logs it once when QMOE_LOG_TACTICS=1).
 Tactic select_tactic(const GemmProblem& problem);
-// Parses Tactic::name(); throws qmoe::Error on an unknown name.
+// Parses Tactic::name() (a tactic of either kernel); throws qmoe::Error on an unknown name.
 Tactic parse_tactic(const std::string& name);
 
 }  // namespace qmoe

@@ -22,11 +22,19 @@ void moe_mm_data(const TensorRef& topk_ids, TensorRef expert_offsets, TensorRef 
 // d bfloat16 (the public op) or float32 (fp32 epilogue, used by the fused MoE's GEMM1 only).
 void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream);
 
-// The fused MoE pipeline for quant_mode w4a8_int4 (src/cuda/fused/sm90_fused_moe_w4a8_int4.cu).
-// p validated, num_local_experts <= 1024, weights and scales 16-byte aligned; workspace: at least
-// fused_moe_workspace_layout(...).total bytes (src/cuda/fused/fused_moe_workspace.h), 256-byte aligned.
+// The fused MoE pipelines. p validated, num_local_experts <= 1024, weights and scales 16-byte
+// aligned; workspace: at least the bytes of its layout (src/cuda/fused/fused_moe_workspace.h),
+// 256-byte aligned. slot_rows == nullptr: finalize into p.output (fused_moe); otherwise bf16
+// [T*k, H] rows per valid local slot, other slots untouched (moe_expert_rows).
+// w4a8_int4 (src/cuda/fused/sm90_fused_moe_w4a8_int4.cu):
 void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, const Tactic& gemm2_tactic,
-                         void* workspace, cudaStream_t stream);
+                         void* workspace, void* slot_rows, cudaStream_t stream);
+// w4a16, w4a16_int4, w4a4, w4a8 (src/cuda/fused/sm90_fused_moe_bf16_w4.cu): bf16 x 4-bit GEMMs.
+void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, const Tactic& gemm2_tactic,
+                       void* workspace, void* slot_rows, cudaStream_t stream);
+
+// moe_finalize on CUDA tensors (src/cuda/fused/moe_finalize.cu): p validated.
+void moe_finalize(const MoeFinalizeParams& p, cudaStream_t stream);
 
 // Throws kRuntime qmoe::Error with the CUDA error string when err != cudaSuccess.
 void check_cuda(cudaError_t err, const char* what);

@@ -17,9 +17,13 @@ void moe_mm_data(const TensorRef&, TensorRef, TensorRef, TensorRef, TensorRef, T
   not_built("get_cutlass_w4a8_moe_mm_data");
 }
 void w4a8_moe_mm(const W4A8MoeMmArgs&, const Tactic&, cudaStream_t) { not_built("cutlass_w4a8_moe_mm"); }
-void fused_moe_w4a8_int4(const FusedMoeParams&, const Tactic&, const Tactic&, void*, cudaStream_t) {
+void fused_moe_w4a8_int4(const FusedMoeParams&, const Tactic&, const Tactic&, void*, void*, cudaStream_t) {
   not_built("fused_moe");
 }
+void fused_moe_bf16_w4(const FusedMoeParams&, const Tactic&, const Tactic&, void*, void*, cudaStream_t) {
+  not_built("fused_moe");
+}
+void moe_finalize(const MoeFinalizeParams&, cudaStream_t) { not_built("moe_finalize"); }
 void check_cuda(cudaError_t err, const char* what) {}
 
 }  // namespace qmoe::cuda

@@ -1,5 +1,5 @@
-// Host launchers of the small kernels the GPU fused MoE (w4a8_int4) is composed of
-// (sm90_fused_moe_w4a8_int4.cu). Each takes device pointers, sizes and a stream, launches on the
+// Host launchers of the small kernels the GPU fused MoE pipelines are composed of
+// (sm90_fused_moe_w4a8_int4.cu; sm90_fused_moe_bf16_w4.cu for w4a16, w4a16_int4, w4a4, w4a8). Each takes device pointers, sizes and a stream, launches on the
 // current device, allocates nothing, never synchronizes (CUDA-graph capturable) and throws
 // qmoe::Error (kRuntime) when the launch fails. Per-row kernels read the row count
 // expert_offsets[num_local] on the device and are launched over the bound S = T * top_k.
@@ -38,6 +38,22 @@ void gather_quantize(const RowRouting& routing, const void* x, bool x_is_e4m3, i
                      bool x_scale_per_token, const uint32_t* amax_bits, const float* w1_alpha, uint8_t* a_out,
                      float* s1, cudaStream_t stream);
 
+// moe_gather_dequant.cu (bf16 x 4-bit pipeline) -------------------------------------------------
+enum class ActivationInput {
+  kBf16,   // x bf16 [T, H] (w4a16, w4a16_int4)
+  kNvfp4,  // x e2m1 pairs [T, H/2], x_scale e4m3 [T, H/16] row-major (w4a4)
+  kMxfp8,  // x e4m3 [T, H], x_scale ue8m0 [T, H/32] row-major (w4a8)
+};
+// For rows r < expert_offsets[E_l]: slot = input_permutation[r], t = slot / topk, e = local_ids[slot],
+//   a_out[r, h] = bf16 of  x[t, h]                                (kBf16: a copy)
+//                          e2m1(x[t, h]) * e4m3(x_scale[t, h/16])     (kNvfp4: exact in bf16)
+//                          e4m3(x[t, h]) * 2^(x_scale[t, h/32] - 127) (kMxfp8: exact in bf16's normal range)
+//   s1[r]       = (w1_alpha ? w1_alpha[e] : 1) * (per_token_scale ? per_token_scale[t] : 1)
+// Limits: x 16-byte aligned, H % 8 == 0 (kBf16) or H % 32 == 0 (FP4 / FP8 inputs).
+void gather_dequantize(const RowRouting& routing, ActivationInput input, const void* x, const uint8_t* x_scale,
+                       int64_t hidden, const float* per_token_scale, const float* w1_alpha, uint16_t* a_out,
+                       float* s1, cudaStream_t stream);
+
 // moe_activation_requant.cu ----------------------------------------------------------------------
 struct ActivationArgs {
   Activation activation;
@@ -56,6 +72,25 @@ void activation_requant(const RowRouting& routing, const float* h, int64_t rows1
                         const ActivationArgs& act, const float* a2_static, const uint32_t* amax_bits,
                         const float* w2_alpha, uint8_t* a_out, float* s2, cudaStream_t stream);
 
+// The bf16 intermediate of the bf16 x 4-bit pipeline (src/reference/fused_moe.cpp, "Intermediate").
+enum class Bf16Requant {
+  kBf16,           // w4a16, w4a16_int4: md = bf16(v)
+  kNvfp4,          // w4a4: NVFP4 per 16 along I with gs = fc2_input_scale[0]
+  kNvfp4PerToken,  // w4a4 + per_token_scale: b = bf16(v), NVFP4 of b with gs = 1 / row_scale
+  kMxfp8,          // w4a8: MXFP8 per 32 along I
+};
+// For valid rows r (e = local expert of the row), v[i] = act(h[r])[i] in fp32 (as activation_requant):
+//   kBf16          md = v;                                          s2[r] = w2a
+//   kNvfp4         sf = e4m3(gs * amax16 / 6), md = e2m1(v * gs / sf) * sf (0 when sf == 0);  s2[r] = w2a
+//   kNvfp4PerToken b = bf16(v), rs = amax|b| * fc2_input_scale[0]; rs == 0: md = 0, s2[r] = 0;
+//                  else md = NVFP4 of b with gs = 1 / rs (as kNvfp4);  s2[r] = w2a * rs
+//   kMxfp8         s = 2^(ue8m0_ceil(amax32 / 448) - 127), md = e4m3(v / s) * s;  s2[r] = w2a
+//   a_out[r, i] = bf16(md) (exact for the quantized modes); w2a = w2_alpha ? w2_alpha[e] : 1.
+// Blocks (16 / 32) run along the logical I axis. Limits: I % 32 == 0.
+void activation_requant_bf16(const RowRouting& routing, const float* h, int64_t rows1, int64_t inter,
+                             const ActivationArgs& act, Bf16Requant requant, const float* fc2_input_scale,
+                             const float* w2_alpha, uint16_t* a_out, float* s2, cudaStream_t stream);
+
 // moe_finalize.cu --------------------------------------------------------------------------------
 // Per token t and feature n, slots j in order, row_j = y[output_permutation[t*k + j]] (bf16; -1 skipped):
 //   deterministic: out = round_out(rsf * sum_j (w[t,j] * row_j))          (fp32 mul, fp32 add)
@@ -64,5 +99,10 @@ void activation_requant(const RowRouting& routing, const float* h, int64_t rows1
 void finalize(const uint16_t* y, const int32_t* output_permutation, const float* topk_weights, int64_t tokens,
               int topk, int64_t hidden, float routed_scaling_factor, bool deterministic, DType out_dtype, void* out,
               cudaStream_t stream);
+
+// moe_expert_rows on the GPU (implemented in moe_finalize.cu): for every flat slot s with
+// output_permutation[s] = r >= 0: slot_rows[s, :] = y[r, :] (bf16 copy); other slots untouched.
+void scatter_slot_rows(const uint16_t* y, const int32_t* output_permutation, int64_t slots, int64_t hidden,
+                       uint16_t* slot_rows, cudaStream_t stream);
 
 }  // namespace qmoe::cuda::fused

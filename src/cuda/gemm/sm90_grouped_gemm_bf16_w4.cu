@@ -1,0 +1,64 @@
+// Entry of the bf16 x 4-bit grouped GEMM (formula, layouts, limits: sm90_grouped_gemm_bf16_w4.h):
+// checks the limits, builds the kernel parameters and hands them to the weight format's
+// instantiations (sm90_grouped_gemm_bf16_w4_{int4,nvfp4,mxfp4}.cu).
+#include <cstdint>
+#include <string>
+
+#include "cuda/gemm/sm90_grouped_gemm_bf16_w4.cuh"
+#include "cuda/launch.h"
+#include "qmoe/error.h"
+
+namespace qmoe::cuda {
+
+namespace bf16w4 {
+// Defined in sm90_grouped_gemm_bf16_w4_launch.cuh, instantiated once per format.
+template <W4Format F>
+void launch_format(const Bf16W4Params& params, const Tactic& tactic, bool fp32_out, int64_t rows, int device,
+                   cudaStream_t stream);
+}  // namespace bf16w4
+
+void bf16_w4_moe_mm(const Bf16W4GemmArgs& args, const Tactic& tactic, cudaStream_t stream) {
+  const bool int4 = args.format == W4Format::kInt4G128;
+  const int k_step = int4 ? 128 : 32;
+  check_arg(args.k > 0 && args.k % k_step == 0, "k", "K % " + std::to_string(k_step) + " == 0 for this weight format",
+            std::to_string(args.k));
+  check_arg(args.n > 0 && args.n % 8 == 0, "n", "N % 8 == 0", std::to_string(args.n));
+  check_arg(args.num_experts > 0 && args.num_experts <= kTileListMaxExperts, "num_experts",
+            "1..1024 experts", std::to_string(args.num_experts));
+  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{args.a, "a"}, {args.b, "b"},
+                                  {args.b_scales, "b_scales"}, {args.d, "d"}})
+    check_arg(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, name, "a 16-byte aligned data pointer",
+              "an address that is not 16-byte aligned");
+  if (args.max_rows == 0) return;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+
+  bf16w4::Bf16W4Params p;
+  p.a = static_cast<const __nv_bfloat16*>(args.a);
+  p.b = args.b;
+  p.b_scales = static_cast<const uint8_t*>(args.b_scales);
+  p.row_scales = args.row_scales;
+  p.d = args.d;
+  p.expert_offsets = args.expert_offsets;
+  p.problem_sizes = args.problem_sizes;
+  p.num_experts = args.num_experts;
+  p.n = args.n;
+  p.k = args.k;
+  p.scales_packed4 = int4 && args.k % 512 == 0 ? 1 : 0;
+  const int block = args.format == W4Format::kNvfp4 ? 16 : 32;
+  p.scale_blocks = int4 ? 0 : args.k / block;
+  p.scale_col_chunks = int4 ? 0 : (p.scale_blocks + 3) / 4;
+  switch (args.format) {
+    case W4Format::kInt4G128:
+      bf16w4::launch_format<W4Format::kInt4G128>(p, tactic, args.d_fp32, args.max_rows, device, stream);
+      break;
+    case W4Format::kNvfp4:
+      bf16w4::launch_format<W4Format::kNvfp4>(p, tactic, args.d_fp32, args.max_rows, device, stream);
+      break;
+    case W4Format::kMxfp4:
+      bf16w4::launch_format<W4Format::kMxfp4>(p, tactic, args.d_fp32, args.max_rows, device, stream);
+      break;
+  }
+}
+
+}  // namespace qmoe::cuda

@@ -1,0 +1,443 @@
+// Device code of the bf16 x 4-bit grouped GEMM (formula, layouts and limits: sm90_grouped_gemm_bf16_w4.h).
+//
+// Structure: the W4A8 kernel's (sm90_grouped_gemm_w4a8_int4.cuh) with a bf16 MMA. Swap-AB: mma.sync
+// m16n8k16 bf16 (fp32 accumulate), weight rows on the M side, tokens on the N side; persistent CTAs
+// over the device-side work list (grouped_tile_list.cuh); a pipeline stage holds GPS K groups of 128
+// (cp.async weights, bf16 activations and scales, 16-byte chunks, XOR swizzled); the load cursor runs
+// STAGES-1 stages ahead across tiles. Rows past an expert's end, features past N and K past K are
+// zero-filled and never stored.
+//
+// K order: thread `tig` (lane % 4) owns K [32 tig, 32 tig + 32) of each group: one 16-byte word of a
+// weight row (4 words of 8 nibbles) and 64 bytes of an activation row. MMA step s (8 per group) uses
+// word j = s / 2 and its nibble pairs (i, i + 4), (i + 1, i + 5), i = 2 (s % 2): a pair of K values
+// lands in one bf16x2 register with one mask, and the activations are paired the same way with one
+// byte permute each (the MMA only needs A and B to agree on which K each slot holds).
+//
+// Weight decode to bf16 (exact; DESIGN.md 3, "exactness facts"):
+//   int4  : 0x4300 | (q + 8) is the bf16 128 + q + 8 (one mask-xor for two nibbles); one bf16x2
+//           subtract of 136 gives q. One MMA
+//           chain per group, promoted into the fp32 accumulator by an FMA with the group scale (as
+//           SGLang's W4A8: the reference's group promotion).
+//   e2m1  : sign to bit 15 and the 3 magnitude bits to bits 8..6 give the bf16 e2m1 * 2^-126
+//           (codes 0 and 1 are bf16 subnormals, which bf16 multiplies keep).
+//           NVFP4: one multiply by bf16(sf * 2^118) gives e2m1 * sf * 2^-8 (exact and normal for
+//           every e4m3 sf); the epilogue multiplies by 2^8. MXFP4: a multiply by 2^126 (exact e2m1),
+//           then by the bf16 2^(s - 127) (exact: bf16 has fp32's exponent range).
+//   Scales of blocks past K are taken as 0 (the padding of the swizzled layout may hold anything;
+//   the zero-filled weights there must contribute 0, not 0 * NaN).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/gemm/grouped_tile_list.cuh"
+#include "cuda/gemm/sm90_grouped_gemm_bf16_w4.h"
+#include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"  // cp.async helpers, store_pair, swizzle_b
+
+namespace qmoe::cuda {
+
+namespace bf16w4 {
+struct Bf16W4Params {
+  const __nv_bfloat16* a;
+  const uint8_t* b;
+  const uint8_t* b_scales;  // bf16 (int4) or scale bytes (FP4)
+  const float* row_scales;  // nullptr = 1
+  void* d;
+  const int32_t* expert_offsets;
+  const int32_t* problem_sizes;
+  int num_experts, n, k;
+  int scales_packed4;     // int4: SGLang's [E, K/512, 4N] layout
+  int scale_col_chunks;   // FP4: Kt = round_up(K / block, 4) / 4 (512-byte chunks per 128-row tile)
+  int scale_blocks;       // FP4: K / block (blocks past it read as scale 0)
+};
+
+using w4a8::cp_async_16;
+using w4a8::cp_async_commit;
+using w4a8::cp_async_wait;
+
+constexpr int kGroup = 128;
+constexpr int kTileRows = 128;  // TILE_M: the swizzled scale layout's 128-row tiles are one tile
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+__device__ __forceinline__ uint32_t bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __nv_bfloat162 bf2(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+
+// Nibbles i and i + 4 of w as bf16x2 (low half: nibble i).
+template <W4Format F>
+__device__ __forceinline__ uint32_t decode_pair(uint32_t w, int i, uint32_t scale2) {
+  const uint32_t t = (w >> (4 * i)) & 0x000F000Fu;
+  if constexpr (F == W4Format::kInt4G128) {
+    // Two's complement nibble u: q + 8 = u ^ 8, and 0x4300 | (q + 8) is the bf16 128 + q + 8.
+    return bits(__hsub2(bf2(t ^ 0x43084308u), bf2(0x43084308u)));  // (128 + q + 8) - 136
+  } else {
+    const uint32_t e = (t * 0x1040u) & 0x81C081C0u;  // (t << 6) | (t << 12): magnitude 8..6, sign 15
+    if constexpr (F == W4Format::kNvfp4) {
+      return bits(__hmul2(bf2(e), bf2(scale2)));
+    } else {
+      return bits(__hmul2(__hmul2(bf2(e), bf2(0x7E807E80u)), bf2(scale2)));  // * 2^126, * 2^(s-127)
+    }
+  }
+}
+
+// Splat bf16x2 of a scale byte. NVFP4: bf16(e4m3 * 2^118); MXFP4: bf16 2^(s - 127).
+template <W4Format F>
+__device__ __forceinline__ uint32_t scale_splat(uint32_t byte) {
+  if constexpr (F == W4Format::kNvfp4) {
+    __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(byte), __NV_E4M3);
+    const float f = __half2float(__half(h)) * 3.3230699894622794e+35f;  // 2^118
+    return bits(__float2bfloat162_rn(f));
+  } else {
+    const uint32_t h = byte == 0 ? 0x0040u : byte == 255 ? 0x7FC0u : byte << 7;
+    return h | (h << 16);
+  }
+}
+
+template <W4Format F, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES>
+struct Config {
+  static constexpr int kThreads = WARPS_M * WARPS_N * 32;
+  static constexpr int kTileM = WARPS_M * MF * 16;
+  static constexpr int kTileN = WARPS_N * NF * 8;
+  static constexpr int kTileK = GPS * kGroup;
+  static constexpr int kRowBytesB = GPS * kGroup / 2;
+  static constexpr int kRowBytesA = GPS * kGroup * 2;
+  static constexpr int kStageB = kTileM * kRowBytesB;
+  static constexpr int kStageA = kTileN * kRowBytesA;
+  // Scales per stage. int4: as the W4A8 kernel (packed-4: 8 bytes per row and 512-K block; else GPS
+  // slices of TILE_M bf16). NVFP4: 8 blocks per group = two 512-byte chunks; MXFP4: one chunk.
+  static constexpr int kScaleBlocks4 = GPS >= 4 ? GPS / 4 : 1;
+  static constexpr int kStageSInt4 =
+      kScaleBlocks4 * kTileM * 8 > GPS * kTileM * 2 ? kScaleBlocks4 * kTileM * 8 : GPS * kTileM * 2;
+  static constexpr int kStageS = F == W4Format::kInt4G128 ? kStageSInt4 : F == W4Format::kNvfp4 ? GPS * 1024 : GPS * 512;
+  static constexpr int kStageBytes = kStageB + kStageA + kStageS;
+  static constexpr int kTileStartBytes = ((kTileListMaxExperts + 1) * 4 + 127) / 128 * 128;
+  static constexpr int kSmemBytes = kTileStartBytes + STAGES * kStageBytes;
+  static_assert(kTileM == kTileRows, "the FP4 scale tiles are 128 rows");
+  static_assert(GPS == 1 || GPS == 2 || GPS == 4, "stages cover whole packed-4 scale blocks or lie in one");
+  static_assert(kStageS / 16 <= kThreads, "one scale copy per thread");
+  static_assert(kStageB % 128 == 0 && kStageA % 128 == 0 && kStageS % 128 == 0, "stages keep 128-byte alignment");
+};
+
+// Activation rows (>= 256 bytes): the 8 lanes of a quarter warp (2 rows x 4 tig) read chunks
+// 4 tig + c of two rows; flipping bit 1 by bit 3 and bit 0 by the row parity spreads them over the
+// 8 bank groups.
+__device__ __forceinline__ int swizzle_a(int chunk, int row) { return chunk ^ (((chunk >> 3) & 1) << 1) ^ (row & 1); }
+
+template <W4Format F, class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
+__global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
+    sm90_grouped_gemm_bf16_w4_kernel(const Bf16W4Params p) {
+  using Cfg = Config<F, WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
+  constexpr int kTileM = Cfg::kTileM;
+  constexpr int kTileN = Cfg::kTileN;
+  constexpr int kThreads = Cfg::kThreads;
+  constexpr int kRowBytesB = Cfg::kRowBytesB;
+  constexpr int kRowBytesA = Cfg::kRowBytesA;
+  constexpr bool kInt4 = F == W4Format::kInt4G128;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  int32_t* tile_start = reinterpret_cast<int32_t*>(smem);
+  uint8_t* stages = smem + Cfg::kTileStartBytes;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int E = p.num_experts;
+  const int n_tiles = (p.n + kTileM - 1) / kTileM;
+  const int groups = (p.k + kGroup - 1) / kGroup;  // the last one may be partial (FP4: K % 32 == 0)
+  const int stages_per_tile = (groups + GPS - 1) / GPS;
+
+  __shared__ int32_t warp_total[kThreads / 32];
+  const int total_tiles = build_tile_list<kThreads, kTileN>(p.problem_sizes, E, n_tiles, tile_start, warp_total);
+  if (static_cast<int>(blockIdx.x) >= total_tiles) return;
+  const int my_tiles = (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
+  const int total_iters = my_tiles * stages_per_tile;
+  auto tile_info = [&](int tile_iter) {
+    return find_tile<kTileM, kTileN>(blockIdx.x + tile_iter * gridDim.x, tile_start, E, p.problem_sizes,
+                                     p.expert_offsets);
+  };
+
+  const int64_t row_bytes_b = p.k / 2;
+  const int64_t row_bytes_a = static_cast<int64_t>(p.k) * 2;
+  const int chunks_b_total = p.k / 32;  // 16-byte weight chunks per row (K % 32 == 0)
+  const int chunks_a_total = p.k / 8;   // 16-byte activation chunks per row
+
+  // ---- Producer: fixed (row, chunk) copy slots per thread, global addresses set once per tile.
+  constexpr int kChunksB = GPS * 4;
+  constexpr int kRowsPerPassB = kThreads / kChunksB;
+  constexpr int kPassesB = kTileM / kRowsPerPassB;
+  constexpr int kChunksA = GPS * 16;
+  constexpr int kRowsPerPassA = kThreads / kChunksA > 0 ? kThreads / kChunksA : 1;
+  constexpr int kPassesA = (kTileN + kRowsPerPassA - 1) / kRowsPerPassA;
+  static_assert(kThreads % kChunksB == 0 && kTileM % kRowsPerPassB == 0, "weight copies tile the stage");
+  static_assert(kThreads % kChunksA == 0, "activation copies tile the stage");
+  static_assert(kPassesB <= 32 && kPassesA <= 32, "copy masks are 32-bit");
+  const int b_row = tid / kChunksB, b_chunk = tid % kChunksB;
+  const int a_row = tid / kChunksA, a_chunk = tid % kChunksA;
+
+  const uint8_t* b_src = p.b;
+  const uint8_t* a_src = reinterpret_cast<const uint8_t*>(p.a);
+  const uint8_t* s_src = p.b_scales;
+  uint32_t b_valid = 0, a_valid = 0;
+  bool s_valid = false;
+  auto issue_loads = [&](int it, int stage) {
+    const int s = it % stages_per_tile;
+    if (s == 0) {
+      const GroupedTile t = tile_info(it / stages_per_tile);
+      b_src = p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + b_row) * row_bytes_b + b_chunk * 16;
+      a_src = reinterpret_cast<const uint8_t*>(p.a) + static_cast<int64_t>(t.row0 + a_row) * row_bytes_a + a_chunk * 16;
+      b_valid = a_valid = 0;
+#pragma unroll
+      for (int i = 0; i < kPassesB; ++i) b_valid |= (t.n0 + b_row + i * kRowsPerPassB < p.n ? 1u : 0u) << i;
+#pragma unroll
+      for (int i = 0; i < kPassesA; ++i) a_valid |= (a_row + i * kRowsPerPassA < t.rows ? 1u : 0u) << i;
+      if constexpr (kInt4) {
+        const int groups_per_kb = p.k / 512;
+        if (p.scales_packed4) {
+          const int bi = tid / (kTileM / 2), c = tid % (kTileM / 2);
+          s_valid = tid < Cfg::kScaleBlocks4 * kTileM / 2 && t.n0 + 2 * c < p.n;
+          s_src = p.b_scales + ((static_cast<int64_t>(t.expert) * groups_per_kb + bi) * 4 * p.n + 4 * (t.n0 + 2 * c)) * 2;
+        } else {
+          const int gg = tid / (kTileM / 8), c = tid % (kTileM / 8);
+          s_valid = tid < GPS * kTileM / 8 && t.n0 + 8 * c < p.n;
+          s_src = p.b_scales + ((static_cast<int64_t>(t.expert) * groups + gg) * p.n + t.n0 + 8 * c) * 2;
+        }
+      } else {
+        // 512-byte chunk (128 rows x 4 blocks) c of the tile: ((e * Mt + n0 / 128) * Kt + c) * 512.
+        const int64_t mt = (p.n + kTileRows - 1) / kTileRows;
+        s_src = p.b_scales + ((static_cast<int64_t>(t.expert) * mt + t.n0 / kTileRows) * p.scale_col_chunks) * 512 +
+                tid * 16;
+        s_valid = tid < Cfg::kStageS / 16;
+      }
+    }
+    const int g0 = s * GPS;
+    uint8_t* sb = stages + stage * Cfg::kStageBytes;
+    uint8_t* sa = sb + Cfg::kStageB;
+    uint8_t* ss = sa + Cfg::kStageA;
+    const bool b_chunk_ok = g0 * 4 + b_chunk < chunks_b_total;  // K tail
+    const bool a_chunk_ok = g0 * 16 + a_chunk < chunks_a_total;
+#pragma unroll
+    for (int i = 0; i < kPassesB; ++i) {
+      const int r = b_row + i * kRowsPerPassB;
+      const bool valid = b_chunk_ok && ((b_valid >> i) & 1u);
+      const uint8_t* src = valid ? b_src + i * static_cast<int64_t>(kRowsPerPassB) * row_bytes_b + g0 * (kGroup / 2) : p.b;
+      cp_async_16(sb + r * kRowBytesB + (w4a8::swizzle_b<GPS>(b_chunk, r) << 4), src, valid);
+    }
+#pragma unroll
+    for (int i = 0; i < kPassesA; ++i) {
+      const int r = a_row + i * kRowsPerPassA;
+      if (kPassesA * kRowsPerPassA > kTileN && r >= kTileN) break;
+      const bool valid = a_chunk_ok && ((a_valid >> i) & 1u);
+      const uint8_t* src = valid ? a_src + i * static_cast<int64_t>(kRowsPerPassA) * row_bytes_a + g0 * kGroup * 2
+                                 : reinterpret_cast<const uint8_t*>(p.a);
+      cp_async_16(sa + r * kRowBytesA + (swizzle_a(a_chunk, r) << 4), src, valid);
+    }
+    if constexpr (kInt4) {
+      if (p.scales_packed4) {
+        if (tid < Cfg::kScaleBlocks4 * kTileM / 2) {
+          const bool valid = s_valid && (tid / (kTileM / 2)) * 4 < groups - g0;
+          const uint8_t* src = valid ? s_src + static_cast<int64_t>(g0 / 4) * 4 * p.n * 2 : p.b_scales;
+          cp_async_16(ss + tid * 16, src, valid);
+        }
+      } else if (tid < GPS * kTileM / 8) {
+        const bool valid = s_valid && tid / (kTileM / 8) < groups - g0;
+        const uint8_t* src = valid ? s_src + static_cast<int64_t>(g0) * p.n * 2 : p.b_scales;
+        cp_async_16(ss + tid * 16, src, valid);
+      }
+    } else if (tid < Cfg::kStageS / 16) {
+      constexpr int kChunksPerGroup = F == W4Format::kNvfp4 ? 2 : 1;
+      const int chunk = g0 * kChunksPerGroup + tid / 32;  // 512-byte chunk of this copy
+      const bool valid = s_valid && chunk < p.scale_col_chunks;
+      const uint8_t* src = valid ? s_src + static_cast<int64_t>(g0) * kChunksPerGroup * 512 : p.b_scales;
+      cp_async_16(ss + tid * 16, src, valid);
+    }
+  };
+
+  // ---- Consumer.
+  const int warp_m = warp % WARPS_M;
+  const int warp_n = warp / WARPS_M;
+  const int gid = lane >> 2;
+  const int tig = lane & 3;
+  float acc[MF][NF][4];
+#pragma unroll
+  for (int i = 0; i < MF; ++i)
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < total_iters) issue_loads(s, s);
+    cp_async_commit();
+  }
+
+  for (int it = 0; it < total_iters; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // publishes stage `it`, retires stage `it - 1` (overwritten just below)
+    {
+      const int next = it + STAGES - 1;
+      if (next < total_iters) issue_loads(next, next % STAGES);
+      cp_async_commit();
+    }
+    const int s = it % stages_per_tile;
+    const uint8_t* sb = stages + (it % STAGES) * Cfg::kStageBytes;
+    const uint8_t* sa = sb + Cfg::kStageB;
+    const uint8_t* ss = sa + Cfg::kStageA;
+
+#pragma unroll
+    for (int gg = 0; gg < GPS; ++gg) {
+      const int g = s * GPS + gg;
+      if (GPS > 1 && g >= groups) break;  // K tail of the last stage (uniform branch)
+      uint4 w[MF][2];
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        const int r = (warp_m * MF + mf) * 16 + gid;
+        w[mf][0] = *reinterpret_cast<const uint4*>(sb + r * kRowBytesB + (w4a8::swizzle_b<GPS>(gg * 4 + tig, r) << 4));
+        w[mf][1] = *reinterpret_cast<const uint4*>(sb + (r + 8) * kRowBytesB +
+                                                   (w4a8::swizzle_b<GPS>(gg * 4 + tig, r + 8) << 4));
+      }
+      // FP4 scales of this thread's blocks, per row half: [mf][h][word / 2 (NVFP4) or 0 (MX)].
+      uint32_t sc[MF][2][2];
+      if constexpr (!kInt4) {
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = (warp_m * MF + mf) * 16 + gid + 8 * h;
+            const int row_off = (r % 32) * 16 + (r / 32) * 4;
+            if constexpr (F == W4Format::kNvfp4) {
+              const int blk = gg * 8 + 2 * tig;  // stage-local block of words 0, 1 (+1 for words 2, 3)
+              const int gblk = g * 8 + 2 * tig;
+              const uint16_t two =
+                  *reinterpret_cast<const uint16_t*>(ss + (blk / 4) * 512 + row_off + (blk % 4));
+              sc[mf][h][0] = gblk < p.scale_blocks ? scale_splat<F>(two & 0xffu) : 0u;
+              sc[mf][h][1] = gblk + 1 < p.scale_blocks ? scale_splat<F>(two >> 8) : 0u;
+            } else {
+              const int blk = gg * 4 + tig;
+              const uint8_t one = ss[(blk / 4) * 512 + row_off + (blk % 4)];
+              sc[mf][h][0] = sc[mf][h][1] = g * 4 + tig < p.scale_blocks ? scale_splat<F>(one) : 0u;
+            }
+          }
+      }
+      float part[MF][NF][4];
+      if constexpr (kInt4) {
+#pragma unroll
+        for (int i = 0; i < MF; ++i)
+#pragma unroll
+          for (int j = 0; j < NF; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
+      }
+      float(*target)[NF][4] = kInt4 ? part : acc;  // int4: a fresh chain per group; FP4: straight into acc
+
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // weight word j = activation chunk j of this thread
+        uint4 x[NF];
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf) {
+          const int t = (warp_n * NF + nf) * 8 + gid;
+          x[nf] = *reinterpret_cast<const uint4*>(sa + t * kRowBytesA + (swizzle_a(gg * 16 + tig * 4 + j, t) << 4));
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // MMA step 2 j + half: pairs (2 half, +4), (2 half + 1, +4)
+          uint32_t b0[NF], b1[NF];
+#pragma unroll
+          for (int nf = 0; nf < NF; ++nf) {
+            const uint32_t lo = half == 0 ? x[nf].x : x[nf].y;  // K 2 half, 2 half + 1
+            const uint32_t hi = half == 0 ? x[nf].z : x[nf].w;  // K 2 half + 4, 2 half + 5
+            b0[nf] = prmt(lo, hi, 0x5410);
+            b1[nf] = prmt(lo, hi, 0x7632);
+          }
+#pragma unroll
+          for (int mf = 0; mf < MF; ++mf) {
+            const uint32_t w0 = j == 0 ? w[mf][0].x : j == 1 ? w[mf][0].y : j == 2 ? w[mf][0].z : w[mf][0].w;
+            const uint32_t w1 = j == 0 ? w[mf][1].x : j == 1 ? w[mf][1].y : j == 2 ? w[mf][1].z : w[mf][1].w;
+            uint32_t s0 = 0, s1 = 0;
+            if constexpr (!kInt4) {
+              s0 = sc[mf][0][j / 2];
+              s1 = sc[mf][1][j / 2];
+            }
+            const uint32_t a0 = decode_pair<F>(w0, 2 * half, s0);
+            const uint32_t a2 = decode_pair<F>(w0, 2 * half + 1, s0);
+            const uint32_t a1 = decode_pair<F>(w1, 2 * half, s1);
+            const uint32_t a3 = decode_pair<F>(w1, 2 * half + 1, s1);
+#pragma unroll
+            for (int nf = 0; nf < NF; ++nf) mma_bf16(target[mf][nf], a0, a1, a2, a3, b0[nf], b1[nf]);
+          }
+        }
+      }
+      if constexpr (kInt4) {
+        // Group promotion: acc += S[row, g] * part (fp32, g increasing).
+        const __nv_bfloat16* sbf = reinterpret_cast<const __nv_bfloat16*>(ss);
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf) {
+          const int r = (warp_m * MF + mf) * 16 + gid;
+          const int i0 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + r * 4 + (g & 3) : gg * kTileM + r;
+          const int i1 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + (r + 8) * 4 + (g & 3) : gg * kTileM + r + 8;
+          const float scale0 = __bfloat162float(sbf[i0]);
+          const float scale1 = __bfloat162float(sbf[i1]);
+#pragma unroll
+          for (int nf = 0; nf < NF; ++nf) {
+            acc[mf][nf][0] = fmaf(scale0, part[mf][nf][0], acc[mf][nf][0]);
+            acc[mf][nf][1] = fmaf(scale0, part[mf][nf][1], acc[mf][nf][1]);
+            acc[mf][nf][2] = fmaf(scale1, part[mf][nf][2], acc[mf][nf][2]);
+            acc[mf][nf][3] = fmaf(scale1, part[mf][nf][3], acc[mf][nf][3]);
+          }
+        }
+      }
+    }
+
+    if (s == stages_per_tile - 1) {
+      // ---- Epilogue: D[row, n] = out(s[row] * (post * acc)); lanes gid, gid ^ 1 swap values so each
+      // stores two adjacent features of one token.
+      constexpr float kPost = F == W4Format::kNvfp4 ? 256.0f : 1.0f;  // undoes the 2^-8 of the NVFP4 decode
+      const GroupedTile t = tile_info(it / stages_per_tile);
+      const bool even = (gid & 1) == 0;
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float v0 = acc[mf][nf][2 * h] * kPost, v1 = acc[mf][nf][2 * h + 1] * kPost;
+            const float recv = __shfl_xor_sync(0xffffffffu, even ? v1 : v0, 4);
+            const float lo = even ? v0 : recv;
+            const float hi = even ? recv : v1;
+            const int token = (warp_n * NF + nf) * 8 + tig * 2 + (even ? 0 : 1);
+            const int n = t.n0 + (warp_m * MF + mf) * 16 + h * 8 + (gid & ~1);
+            if (token < t.rows && n < p.n) {
+              const int row = t.row0 + token;
+              if (p.row_scales != nullptr) {
+                const float rs = p.row_scales[row];
+                w4a8::store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, rs * lo, rs * hi);
+              } else {
+                w4a8::store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, lo, hi);
+              }
+            }
+          }
+          acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.f;
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace bf16w4
+}  // namespace qmoe::cuda

@@ -1,0 +1,47 @@
+// Launcher of the bf16 x 4-bit grouped GEMM (sm90_grouped_gemm_bf16_w4.cu): the GEMM of the fused
+// MoE's w4a16, w4a16_int4, w4a4 and w4a8 (MX) modes. Hopper has no FP4 tensor cores, so every
+// operand is decoded to bf16 (exactly: DESIGN.md 3, "exactness facts") and multiplied by bf16
+// mma.sync with fp32 accumulation:
+//
+//   int4-g128 : D[r, n] = out( s[r] * sum_g S[e, n, g] * (sum_{k in g} A[r, k] * q[e, n, k]) )
+//               (SGLang's group promotion, g increasing; S bf16 in SGLang's stored layout, 3.1)
+//   NVFP4     : D[r, n] = out( s[r] * sum_k A[r, k] * (e2m1[e, n, k] * e4m3 sf[e, n, k / 16]) )
+//   MXFP4     : D[r, n] = out( s[r] * sum_k A[r, k] * (e2m1[e, n, k] * ue8m0 sf[e, n, k / 32]) )
+//
+// A bf16 [R, K] row-major, rows in expert order (the caller dequantizes NVFP4 / MXFP8
+// activations to bf16 first: exact). B [E, N, K/2] packed (even k in the low nibble). FP4 scales in
+// the 128x4 swizzled layout (DESIGN.md 3.3: [E, round_up(N, 128), round_up(K / block, 4)] bytes).
+// s = row_scales[r] (fp32, nullptr = 1). out = fp32 value (d_fp32) or bf16 RNE.
+// Expert e owns rows [expert_offsets[e], + problem_sizes[e][1]), both read on the device.
+// Limits: K % 128 == 0 for int4, K % 32 == 0 for FP4; N % 8 == 0; E <= 1024; 16-byte aligned bases.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "qmoe/tactics.h"
+
+namespace qmoe::cuda {
+
+enum class W4Format { kInt4G128, kNvfp4, kMxfp4 };
+
+struct Bf16W4GemmArgs {
+  const void* a = nullptr;                 // bf16 [max_rows, K]
+  const uint8_t* b = nullptr;              // packed 4-bit [E, N, K/2]
+  const void* b_scales = nullptr;          // bf16 (int4) or e4m3 / ue8m0 bytes (FP4, swizzled)
+  W4Format format = W4Format::kNvfp4;
+  const float* row_scales = nullptr;       // [max_rows] or nullptr (= 1)
+  void* d = nullptr;                       // fp32 or bf16 [max_rows, N]
+  bool d_fp32 = false;
+  const int32_t* expert_offsets = nullptr; // [E] start rows (device)
+  const int32_t* problem_sizes = nullptr;  // [E, 3]; [e][1] = rows of expert e (device)
+  int num_experts = 0, n = 0, k = 0;
+  int64_t max_rows = 0;                    // bound on the rows of all experts (sizes the grid)
+};
+
+// Throws qmoe::Error (kValue) when the tactic is not one of valid_tactics({..., bf16_activations =
+// true}) or the limits above are not met, kRuntime on a launch error. No allocation, no host sync.
+void bf16_w4_moe_mm(const Bf16W4GemmArgs& args, const Tactic& tactic, cudaStream_t stream);
+
+}  // namespace qmoe::cuda

@@ -1,0 +1,76 @@
+// Host side of the bf16 x 4-bit grouped GEMM, per weight format: maps a Tactic to one compiled
+// configuration, sizes the persistent grid and launches. Each format's instantiations live in their
+// own translation unit (sm90_grouped_gemm_bf16_w4_{int4,nvfp4,mxfp4}.cu) so they compile in parallel.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <string>
+
+#include "cuda/gemm/sm90_grouped_gemm_bf16_w4.cuh"
+#include "cuda/launch.h"
+#include "qmoe/error.h"
+
+namespace qmoe::cuda::bf16w4 {
+
+template <W4Format F, class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
+void launch_typed(const Bf16W4Params& params, int64_t rows, int device, cudaStream_t stream) {
+  using Cfg = Config<F, WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
+  auto kernel = sm90_grouped_gemm_bf16_w4_kernel<F, OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> slots[kMaxDevices] = {};  // CTAs resident at once per device, 0 = not queried
+  check_arg(device >= 0 && device < kMaxDevices, "a", "a CUDA device index below 64", std::to_string(device));
+  int fit = slots[device].load(std::memory_order_relaxed);
+  if (fit == 0) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
+               "cudaFuncSetAttribute(bf16 x 4-bit grouped gemm)");
+    int sms = 0, per_sm = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, Cfg::kSmemBytes),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(bf16 x 4-bit grouped gemm)");
+    fit = sms * (per_sm > 0 ? per_sm : 1);
+    slots[device].store(fit, std::memory_order_relaxed);
+  }
+  const int64_t n_tiles = (params.n + Cfg::kTileM - 1) / Cfg::kTileM;
+  const int64_t max_tiles = (rows / Cfg::kTileN + params.num_experts) * n_tiles;
+  const int64_t grid = max_tiles < fit ? (max_tiles > 0 ? max_tiles : 1) : fit;
+  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
+  check_cuda(cudaGetLastError(), "launch of sm90_grouped_gemm_bf16_w4");
+}
+
+template <W4Format F, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
+void launch_out(const Bf16W4Params& params, bool fp32_out, int64_t rows, int device, cudaStream_t stream) {
+  if (fp32_out) {
+    launch_typed<F, float, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>(params, rows, device, stream);
+  } else {
+    launch_typed<F, __nv_bfloat16, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>(params, rows, device, stream);
+  }
+}
+
+// NOTE: the instantiation list. Keep it in step with compiled_bf16() in src/tune/tactics.cpp.
+// Template arguments: warps along weight rows, warps along tokens, 16-row fragments per warp, 8-token
+// fragments per warp, K groups (128) per stage, stages, CTAs per SM.
+//   decode n8/n16 : 128 rows, 2 groups per stage (128-byte runs of each weight row), 4 stages, 2 CTAs/SM
+//   prefill n64   : 2 x 2 warps of 64 rows x 32 tokens, 1 group per stage (bf16 activations are 4x
+//                   the weight bytes), 4 stages, 2 CTAs/SM
+template <W4Format F>
+void launch_format(const Bf16W4Params& params, const Tactic& tactic, bool fp32_out, int64_t rows, int device,
+                   cudaStream_t stream) {
+  using Family = Tactic::Family;
+  auto is = [&](Family f, int m, int n, int k) {
+    return tactic.family == f && tactic.tile_m == m && tactic.tile_n == n && tactic.tile_k == k &&
+           tactic.split_k == 1;
+  };
+  if (is(Family::kDecode, 128, 8, 256)) {
+    launch_out<F, 4, 1, 2, 1, 2, 4, 2>(params, fp32_out, rows, device, stream);
+  } else if (is(Family::kDecode, 128, 16, 256)) {
+    launch_out<F, 4, 1, 2, 2, 2, 4, 2>(params, fp32_out, rows, device, stream);
+  } else if (is(Family::kPrefill, 128, 64, 128)) {
+    launch_out<F, 2, 2, 4, 4, 1, 4, 2>(params, fp32_out, rows, device, stream);
+  } else {
+    throw Error("tactic", "a tactic of the bf16 x 4-bit GEMM (valid_tactics with bf16 activations)", tactic.name());
+  }
+}
+
+}  // namespace qmoe::cuda::bf16w4
