@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks and measures, in one device call (about 2-3 minutes on an H200):
 # build, GPU pytest suite, every GEMM tactic on ragged cases, quantizer and tuner tests, then the GEMM
-# and MoE-layer benchmarks. Logs and result files go to $OUT (the device tool's output folder) or
+# and MoE-layer benchmarks, a per-kernel profile of the layer. Logs and result files go to $OUT (the device tool's output folder) or
 # ./device_out. Usage on the device: bash scripts/device_all.sh   (carry .dev/cutlass)
 # Switch: QMOE_SANITIZER=memcheck|racecheck|synccheck|initcheck runs the pytest step under
 # compute-sanitizer (slow: restrict with QMOE_PYTEST_ARGS="-k ...").
@@ -15,10 +15,15 @@ export PYTHONPATH=$PWD/build/device/pkg
 step "pytest (gpu)"
 QMOE_SKIP_BUILD=1 bash scripts/gpu_tests.sh ${QMOE_PYTEST_ARGS:-} \
   > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; grep -E "^FAILED|passed|failed|summary" -A3 "$OUT/gpu_tests.log" | tail -12
-step "gemm check"; bash tests/gpu/build_w4a8_check.sh build/w4a8_check > "$OUT/check_build.log" 2>&1 \
-  && build/w4a8_check > "$OUT/gemm_check.log" 2>&1; echo "gemm check rc=$?"; grep -E "FAIL|correctness" "$OUT/gemm_check.log" | tail -3
+step "gemm checks"; {
+  bash tests/gpu/build_w4a8_check.sh build/w4a8_check && build/w4a8_check
+  echo "w4a8 gemm check rc=$?"
+  bash tests/gpu/build_w4a8_check.sh build/bf16_w4_check tests/gpu/bf16_w4_gemm_check.cu && build/bf16_w4_check --bench
+  echo "bf16 x 4-bit gemm check rc=$?"
+} > "$OUT/checks.log" 2>&1; grep -E "FAIL|correctness|check rc" "$OUT/checks.log" | tail -6
 step "bench gemm"; python3 -m qmoe.cli bench gemm --models deepseek_v3,qwen3_235b_a22b,qwen3_30b_a3b,mixtral_8x7b \
-  --tokens 1,8,64,256,1024,4096 --iters 10 --out-dir "$OUT" > "$OUT/bench_gemm.log" 2>&1; echo "bench gemm rc=$?"
-step "bench moe"; python3 -m qmoe.cli bench moe --budget-ms 80 --out-dir "$OUT" > "$OUT/bench_moe.log" 2>&1
+  --tokens 1,8,64,256,1024,4096 --iters 10 --out-dir "$OUT" > "$OUT/bench.log" 2>&1; echo "bench gemm rc=$?"
+step "bench moe"; python3 -m qmoe.cli bench moe --budget-ms 80 --out-dir "$OUT" >> "$OUT/bench.log" 2>&1
 echo "bench moe rc=$?"
+step "profile layer"; python3 bench/profile_layer.py >> "$OUT/bench.log" 2>&1; echo "profile rc=$?"
 step done

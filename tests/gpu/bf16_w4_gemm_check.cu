@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -224,6 +225,8 @@ __global__ void fill_random(uint8_t* p, int64_t n, uint32_t seed, uint8_t lo, ui
   }
 }
 
+int64_t bench_max_t = 4096;  // --bench [max T]
+
 void bench(W4Format format, const char* name, int64_t N, int64_t K) {
   const int64_t E = 256, topk = 8;
   const bool int4 = format == W4Format::kInt4G128;
@@ -250,6 +253,7 @@ void bench(W4Format format, const char* name, int64_t N, int64_t K) {
   CHECK_CUDA(cudaMalloc(&doff, 8 * E * 4));
   CHECK_CUDA(cudaMalloc(&dsz, 8 * E * 12));
   for (int64_t T : {1, 8, 64, 512, 4096}) {
+    if (T > bench_max_t) break;
     std::mt19937 rng(7);
     int64_t experts_hit = 0;
     for (int rot = 0; rot < 8; ++rot) {
@@ -306,7 +310,9 @@ void bench(W4Format format, const char* name, int64_t N, int64_t K) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool do_bench = argc > 1 && std::string(argv[1]) == "--bench";
+  const bool do_bench = argc > 1 && std::string(argv[1]).rfind("--bench", 0) == 0;
+  const bool bench_only = argc > 1 && std::string(argv[1]) == "--bench-only";
+  if (argc > 2) bench_max_t = std::atoll(argv[2]);
   std::vector<Case> cases;
   for (W4Format f : {W4Format::kNvfp4, W4Format::kMxfp4, W4Format::kInt4G128}) {
     const bool fp4 = f != W4Format::kInt4G128;
@@ -322,12 +328,14 @@ int main(int argc, char** argv) {
   any.n = 8, any.k = 128, any.num_experts = 1, any.bf16_activations = true;
   uint32_t seed = 1;
   for (const Case& c : cases)
-    for (const qmoe::Tactic& t : qmoe::valid_tactics(any)) run_case(c, t, seed++);
+    for (const qmoe::Tactic& t : qmoe::valid_tactics(any))
+      if (!bench_only) run_case(c, t, seed++);
   std::printf("\ncorrectness: %s (%d failures)\n", failures == 0 ? "PASS" : "FAIL", failures);
   if (do_bench) {
     std::printf("\n| format | gemm  | T     | tactic (* = heuristic)  | us        | TB/s   | TFLOP/s |\n"
                 "|---|---|---|---|---|---|---|\n");
     for (W4Format f : {W4Format::kNvfp4, W4Format::kMxfp4, W4Format::kInt4G128}) {
+      if (bench_only && f == W4Format::kMxfp4) continue;
       bench(f, "gemm1", 4096, 7168);
       bench(f, "gemm2", 7168, 2048);
     }

@@ -1,0 +1,53 @@
+"""Per-kernel time of one fused MoE layer (qmoe.fused_moe, w4a8_int4) with torch.profiler.
+
+Shows where a layer's time goes beyond the two GEMMs (the glue kernels). Usage on the GPU machine:
+    PYTHONPATH=build/device/pkg python3 bench/profile_layer.py [model:T ...]
+Default: deepseek_v3:1 deepseek_v3:64 qwen3_30b_a3b:1 qwen3_30b_a3b:64. Weights of one set only
+(L2-warm for small models: this is a breakdown, not the benchmark; bench/ has the real numbers).
+"""
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import qmoe
+from qmoe.bench.moe import A2_STATIC, _routing_weights, make_qmoe_weights
+from qmoe.testing import MODEL_SHAPES
+
+
+def run(model: str, tokens: int, iters: int = 20) -> None:
+    experts, topk, hidden, inter = MODEL_SHAPES[model]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = make_qmoe_weights(torch, experts, hidden, inter, gen, "cuda")
+    ids = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:topk] for _ in range(tokens)]).int()
+    wts = _routing_weights(torch, tokens, topk, gen, "cuda")
+    x = torch.randn((tokens, hidden), device="cuda", generator=gen, dtype=torch.bfloat16)
+    kw = dict(w, x=x, topk_ids=ids, topk_weights=wts, quant_mode="w4a8_int4", num_experts=experts,
+              x_scale=(x.abs().amax().float() / 448).reshape(1), fc2_input_scale=torch.full((1,), A2_STATIC, device="cuda"))
+    out = torch.empty((tokens, hidden), device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        qmoe.fused_moe(**kw, deterministic=True, out=out)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            qmoe.fused_moe(**kw, deterministic=True, out=out)
+        torch.cuda.synchronize()
+    print(f"\n## {model} T={tokens} (E={experts}, k={topk}, H={hidden}, I={inter}); us per layer call")
+    total = 0.0
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if t <= 0:
+            continue
+        rows.append((t / iters, e.count // iters, e.key[:90]))
+        total += t / iters
+    for t, n, k in sorted(rows, reverse=True):
+        print(f"| {t:8.1f} | {n:2d} | {k} |")
+    print(f"| {total:8.1f} |    | total kernel time |")
+
+
+if __name__ == "__main__":
+    specs = sys.argv[1:] or ["deepseek_v3:1", "deepseek_v3:64", "qwen3_30b_a3b:1", "qwen3_30b_a3b:64"]
+    for spec in specs:
+        m, t = spec.split(":")
+        run(m, int(t))
