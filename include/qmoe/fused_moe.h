@@ -84,14 +84,21 @@ void fused_moe(const FusedMoeParams& p, void* workspace = nullptr, int64_t works
 // moe_expert_rows: rows bf16 [T*k, H]; for every valid local slot s = t*k + j (the routing rule
 // of fused_moe) rows[s] = bf16(alpha2 * GEMM2 row), the routing weight NOT applied. Rows of other
 // slots are left unwritten. p.output, p.deterministic and p.routed_scaling_factor are not used
-// (topk_weights is checked but not read). CPU tensors only for now.
+// (topk_weights is checked but not read). CPU tensors run the reference (workspace and stream
+// ignored); CUDA tensors run the GPU pipeline of the quant mode up to GEMM2 on `stream`, with the
+// same checks as fused_moe and a caller-owned workspace of moe_expert_rows_workspace_size bytes
+// (256-byte aligned, as cudaMalloc returns; it equals fused_moe_workspace_size of the same layer):
+// no allocation, no host sync, CUDA-graph capturable.
 void validate_moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows);
-void moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows);
+int64_t moe_expert_rows_workspace_size(const FusedMoeParams& p, const TensorRef& rows);  // 0 on CPU
+void moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows, void* workspace = nullptr,
+                     int64_t workspace_bytes = 0, cudaStream_t stream = nullptr);
 
 // moe_finalize: out[t] = round_out(rsf * sum_j fp32(w[t,j] * rows[t*k + j])), fp32 sum in slot order
 // over the slots the routing rule keeps (0 <= e < num_experts, e in the local range); other rows are
 // never read. rows bf16 [T*k, H]; topk_ids int32 [T, k]; topk_weights f32 [T, k]; output
-// bf16/f16/f32 [T, H], written. CPU tensors only for now.
+// bf16/f16/f32 [T, H], written. CPU tensors run the reference; CUDA tensors a GPU kernel on `stream`
+// with the same arithmetic (bit-identical), no allocation, no host sync (CUDA-graph capturable).
 struct MoeFinalizeParams {
   TensorRef rows, topk_ids, topk_weights, output;
   int64_t num_experts = 0;
@@ -100,7 +107,7 @@ struct MoeFinalizeParams {
   float routed_scaling_factor = 1.0f;
 };
 void validate_moe_finalize(const MoeFinalizeParams& p);
-void moe_finalize(const MoeFinalizeParams& p);
+void moe_finalize(const MoeFinalizeParams& p, cudaStream_t stream = nullptr);
 
 namespace reference {
 void fused_moe(const FusedMoeParams& p);

@@ -3,12 +3,14 @@
 Every rank brings its own tokens x [T, H] with their routing (topk_ids, topk_weights [T, k]) and gets
 back the full MoE output of those tokens:
 
-    plan (include/qmoe/expert_parallel.h) -> quantize at home -> dispatch -> moe_expert_rows on the
-    owner (its local experts only) -> combine (one bf16 row per owned slot back home) -> moe_finalize
+    quantize at home -> pack each token's tensors into one byte row -> plan (array ops, on the device
+    for torch CUDA tensors) -> dispatch (one grouped send/recv) -> moe_expert_rows on the owner (its
+    local experts only) -> combine (one bf16 row per owned slot back home) -> moe_finalize at home
 
 Exactness: rows are formed per slot from the same numbers as on one GPU (the activation row and its
 a1 travel together; a2 is static), and the home rank runs the deterministic finalize in slot order,
-so EP output == qmoe.fused_moe(all experts, deterministic=True) on the rank's tokens, bit for bit.
+so EP output == qmoe.fused_moe(all experts, deterministic=True) on the rank's tokens, bit for bit
+(on GPUs: with the same GEMM tactics, see forward's `tactic`).
 
 Scale rule for w4a8_int4 (the only mode with tensor-wide dynamic scales): a1 may be static ([1]),
 per token ([T]) or dynamic (None: amax over the HOME rank's x / 448, as fused_moe computes it on
@@ -16,23 +18,28 @@ that rank's tokens); the home rank quantizes and a1 travels per token. a2 (fc2_i
 given: the dynamic a2 is the amax over the intermediate rows of all of a rank's tokens, which are
 computed on several ranks, and agreeing on it would need an extra all-reduce between GEMM1 and GEMM2.
 
-Modes: "throughput" exchanges per-peer token counts first (one host sync), then variable-size
-buffers. "low_latency" uses fixed buffers of max_tokens_per_rank rows per peer, no count exchange and
-no data-dependent size (CUDA-graph capturable once the GPU pieces exist); T > max_tokens_per_rank is an
-error, never a silent drop. CPU (numpy) arrays run the C++ reference engine; the GPU moe_expert_rows /
-moe_finalize and a device-side plan are not built yet (see the doc's "what remains").
+Wire format: each token is one byte row [x | per-token scales | topk_ids (int32)], padded to 16 bytes,
+so a dispatch is one grouped exchange whatever the quant mode. The packed buffer has one extra pad
+row (zeros, topk_ids = -1) that every unused send position copies: the owner's engine skips it.
+
+Modes: "throughput" exchanges per-peer token and slot counts first (one small exchange and the only
+host sync), then variable-size buffers; rows come back only for owned slots. "low_latency" uses
+fixed buffers of max_tokens_per_rank rows per peer and sends back every slot of every received
+position (fixed [C*k, H] per peer): no count exchange, no host sync, no data-dependent shape, so the
+whole layer can be captured in a CUDA graph (torch CUDA tensors; NCCL transport). T >
+max_tokens_per_rank is an error, never a silent drop.
+
+The plan is computed with array operations (numpy for CPU arrays, torch for torch tensors: on the
+GPU for CUDA tensors, no copy of the routing to the host); it matches include/qmoe/expert_parallel.h
+(send order: grouped by destination, ascending token; return order: (token, slot) order), which the
+CPU tests check against the C++ plan.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import _C, ops, quant
-from ._tensors import arg, is_torch
-
-try:
-    import ml_dtypes
-except ImportError:  # pragma: no cover
-    ml_dtypes = None
+from ._tensors import is_torch
 
 MODES = ("throughput", "low_latency")
 # The per-token payload of each quant mode, in wire order (topk_ids is appended to every mode).
@@ -43,38 +50,100 @@ _PAYLOAD = {
     "w4a8": ("x", "x_scale"),
     "w4a4": ("x", "x_scale", "per_token_scale"),
 }
+_ROW_ALIGN = 16  # bytes: packed rows stay 16-byte aligned, so every part's copy is aligned too
 
 
-# ---- array helpers (numpy now; torch where it is the same one-liner) -----------------------------
+# ---- array operations on numpy arrays or torch tensors (one code path for both) --------------------
 
-def _host_i32(a) -> np.ndarray:
-    if is_torch(a):
-        a = a.detach().cpu().numpy()  # the plan runs on the host (throughput mode syncs anyway)
-    return np.ascontiguousarray(np.asarray(a), dtype=np.int32)
+class _Arrays:
+    """The few array operations the EP steps need, for the framework (and device) of `like`."""
+
+    def __init__(self, like):
+        self.torch = None
+        if is_torch(like):
+            import torch
+
+            self.torch, self.device = torch, like.device
+
+    def int64(self, a):
+        return a.long() if self.torch else np.asarray(a).astype(np.int64)
+
+    def arange(self, n):
+        return self.torch.arange(n, device=self.device) if self.torch else np.arange(n, dtype=np.int64)
+
+    def full(self, shape, value, dtype="int64"):
+        if self.torch:
+            return self.torch.full(shape, value, dtype=getattr(self.torch, dtype), device=self.device)
+        return np.full(shape, value, dtype=np.dtype(dtype))
+
+    def empty(self, shape, dtype):
+        """dtype: a numpy dtype (numpy) or torch dtype (torch)."""
+        if self.torch:
+            return self.torch.empty(shape, dtype=dtype, device=self.device)
+        return np.empty(shape, dtype=dtype)
+
+    def uint8(self):
+        return self.torch.uint8 if self.torch else np.uint8
+
+    def where(self, cond, a, b):
+        return self.torch.where(cond, a, b) if self.torch else np.where(cond, a, b)
+
+    def cumsum0(self, a):
+        return self.torch.cumsum(a, 0) if self.torch else np.cumsum(a, axis=0)
+
+    def take_columns(self, a, columns):
+        """a[i, columns[i, j]] for a [N, W], columns [N, k] (int64, in range)."""
+        return a.gather(1, columns) if self.torch else np.take_along_axis(a, columns, axis=1)
+
+    def host_ints(self, a) -> list:
+        """A small integer array as Python ints (torch CUDA: one device-to-host copy, a host sync)."""
+        return [int(v) for v in (a.cpu().tolist() if self.torch else np.asarray(a).tolist())]
+
+    def contiguous(self, a):
+        return a.contiguous() if self.torch else np.ascontiguousarray(a)
+
+    def byte_rows(self, a, rows):
+        """a [rows, ...] (contiguous) as uint8 [rows, bytes per row]."""
+        per_row = int(np.prod(a.shape[1:], dtype=np.int64)) if len(a.shape) > 1 else 1
+        a = self.contiguous(a).reshape(rows, per_row)
+        return a.view(self.torch.uint8) if self.torch else a.view(np.uint8)
+
+    def from_bytes(self, b, dtype, row_shape):
+        """uint8 [N, bytes] columns -> a contiguous [N, *row_shape] array of dtype."""
+        b = self.contiguous(b)
+        return b.view(dtype).reshape((b.shape[0],) + tuple(row_shape))
 
 
-def _take(a, index: np.ndarray):
-    if is_torch(a):
-        import torch
+# ---- routing: which rank owns each slot, where each token and row goes ---------------------------
 
-        return a[torch.as_tensor(index, dtype=torch.int64, device=a.device)]
-    return a[index]
+class _Routing:
+    """The plan of include/qmoe/expert_parallel.h as arrays (no host copy): ids [T, k] int32."""
+
+    def __init__(self, xp: _Arrays, ids, num_experts: int, world: int):
+        per = num_experts // world
+        self.num_tokens, self.top_k = int(ids.shape[0]), int(ids.shape[1])
+        ids64 = xp.int64(ids)
+        self.valid = (ids64 >= 0) & (ids64 < num_experts)                      # [T, k]
+        self.owner = xp.where(self.valid, ids64 // per, xp.full(ids64.shape, -1))  # [T, k], -1 invalid
+        hot = self.owner[:, :, None] == xp.arange(world)[None, None, :]         # [T, k, W]
+        self.dest = hot.any(1)                                                  # [T, W] token goes to d
+        self.send_counts = self.dest.sum(0)                                     # [W] tokens per peer
+        self.slot_onehot = hot.reshape(self.num_tokens * self.top_k, world)     # [T*k, W]
+        self.return_counts = self.slot_onehot.sum(0)                            # [W] owned slots per peer
+        # Position of token t in destination d's list (ascending token order), valid where dest.
+        self.position = xp.cumsum0(xp.int64(self.dest)) - 1                    # [T, W]
+        self.owner_or_0 = xp.where(self.valid, self.owner, xp.full(ids64.shape, 0))
 
 
-def _cat(parts: list, like):
-    if is_torch(like):
-        import torch
-
-        return torch.cat(parts)
-    return np.concatenate(parts)
-
-
-def _full(like, shape, value):
-    if is_torch(like):
-        import torch
-
-        return torch.full(shape, value, dtype=like.dtype, device=like.device)
-    return np.full(shape, value, dtype=like.dtype)
+def _send_index(xp: _Arrays, routing: _Routing, base, total: int):
+    """src [total]: the token (or T, the pad row) at each send-buffer position; token t for peer d
+    sits at base[d] + position[t, d]."""
+    tokens, world = routing.num_tokens, routing.dest.shape[1]
+    target = xp.where(routing.dest, base[None, :] + routing.position, xp.full((tokens, world), total))
+    src = xp.full((total + 1,), tokens)  # the last entry absorbs every non-destination pair
+    token_of = xp.arange(tokens)[:, None] + xp.full((tokens, world), 0)
+    src[target.reshape(-1)] = token_of.reshape(-1)
+    return src[:total]
 
 
 class ExpertParallelMoE:
@@ -111,13 +180,21 @@ class ExpertParallelMoE:
 
     def forward(self, x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, x_scale=None,
                 fc2_input_scale=None, w1_alpha=None, w2_alpha=None, per_token_scale=None, mode="throughput",
-                max_tokens_per_rank=None, out=None):
-        """out [T, H] for this rank's tokens. w1 / w2 / scales / alphas: this rank's E / W experts."""
+                max_tokens_per_rank=None, out=None, tactic=None, timeline=None):
+        """out [T, H] for this rank's tokens. w1 / w2 / scales / alphas: this rank's E / W experts.
+
+        tactic: a GEMM tactic name forced on the owner's moe_expert_rows (None: the heuristic's,
+        which depends on the received row count; pin it for bitwise comparisons with fused_moe).
+        timeline: None, or a callable(name) the layer calls between its phases (the benchmark
+        records CUDA events there: 'dispatch', 'compute', 'combine' begin after the name's call)."""
         if mode not in MODES:
             raise ValueError(f"qmoe: argument 'mode': expected one of {MODES}, got {mode!r}")
         if len(getattr(topk_ids, "shape", ())) != 2:
             raise ValueError(f"qmoe: argument 'topk_ids': expected [T, k], got shape {getattr(topk_ids, 'shape', ())}")
-        num_tokens, top_k = topk_ids.shape
+        if is_torch(x) != is_torch(topk_ids):
+            raise TypeError("qmoe: argument 'topk_ids': expected the framework of x (numpy arrays or torch tensors "
+                            "together), got a mix")
+        num_tokens, top_k = int(topk_ids.shape[0]), int(topk_ids.shape[1])
         if mode == "low_latency":
             if max_tokens_per_rank is None:
                 raise ValueError("qmoe: argument 'max_tokens_per_rank': expected the fixed per-peer capacity of "
@@ -126,25 +203,34 @@ class ExpertParallelMoE:
         elif max_tokens_per_rank is not None:
             raise ValueError("qmoe: argument 'max_tokens_per_rank': expected None in mode 'throughput' (it sizes the "
                              f"low-latency buffers), got {max_tokens_per_rank}")
+        mark = timeline if timeline is not None else (lambda name: None)
+        xp = _Arrays(x)
+        ids = topk_ids.to(xp.torch.int32).contiguous() if xp.torch else np.ascontiguousarray(topk_ids, np.int32)
         payload = self._quantize(x, x_scale, fc2_input_scale, per_token_scale, num_tokens)
-        ids_host = _host_i32(topk_ids)
-        plan = {key: np.asarray(v, np.int64) for key, v in
-                _C.ep_plan(arg(ids_host, "topk_ids"), self.num_experts, self.world_size).items()}
-        payload["topk_ids"] = topk_ids if is_torch(topk_ids) else ids_host
+        payload["topk_ids"] = ids
+        packed, layout = self._pack(xp, payload, num_tokens)
+        routing = _Routing(xp, ids, self.num_experts, self.world_size)
 
+        mark("dispatch")
         if mode == "throughput":
-            recv, recv_counts = self._dispatch_throughput(payload, plan)
+            recv, counts = self._dispatch_throughput(xp, packed, routing)
         else:
-            recv, recv_counts = self._dispatch_low_latency(payload, plan, int(max_tokens_per_rank))
-        rows = self._expert_rows(recv, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale,
-                                 zero_fill=mode == "low_latency")
+            recv, counts = self._dispatch_low_latency(xp, packed, routing, int(max_tokens_per_rank)), None
+        received = self._unpack(xp, recv, layout)
+        mark("compute")
+        rows = self._expert_rows(received, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale,
+                                 top_k, tactic)
+        mark("combine")
         if mode == "throughput":
-            home_rows = self._combine_throughput(rows, recv["topk_ids"], recv_counts, plan, num_tokens, top_k)
+            home_rows = self._combine_throughput(xp, rows, received["topk_ids"], counts, routing)
         else:
-            home_rows = self._combine_low_latency(rows, plan, num_tokens, top_k, int(max_tokens_per_rank))
-        return ops.moe_finalize(home_rows, payload["topk_ids"], topk_weights, num_experts=self.num_experts,
-                                routed_scaling_factor=self.routed_scaling_factor, output_dtype=self.output_dtype,
-                                out=out)
+            home_rows = self._combine_low_latency(xp, rows, routing, int(max_tokens_per_rank))
+        mark("finalize")
+        result = ops.moe_finalize(home_rows, ids, topk_weights, num_experts=self.num_experts,
+                                  routed_scaling_factor=self.routed_scaling_factor, output_dtype=self.output_dtype,
+                                  out=out)
+        mark("end")
+        return result
 
     __call__ = forward
 
@@ -166,77 +252,149 @@ class ExpertParallelMoE:
                 raise ValueError("qmoe: argument 'x_scale': expected the a1 of an e4m3 x (f32 [1] or [T]), got None")
             q, a1 = x, x_scale
         else:
-            q, a1 = quant.quantize_fp8(x, x_scale)  # None: dynamic amax / 448 over this rank's x
-        a1 = np.asarray(a1, np.float32).reshape(-1) if not is_torch(a1) else a1.float().reshape(-1)
+            q, a1 = quant.quantize_fp8(x, x_scale)  # None: dynamic amax / 448 over this rank's x (no host sync)
+        if is_torch(x) and not is_torch(q):  # torch CPU tensors: the quantizer answers in numpy
+            q, a1 = _numpy_to_torch(q), _numpy_to_torch(np.asarray(a1, np.float32))
+        a1 = a1.float().reshape(-1) if is_torch(a1) else np.asarray(a1, np.float32).reshape(-1)
         if a1.shape[0] not in (1, num_tokens):
             raise ValueError(f"qmoe: argument 'x_scale': expected shape [1] or [{num_tokens}], got {tuple(a1.shape)}")
-        if a1.shape[0] == 1:
-            a1 = _full(a1, (num_tokens,), float(a1[0]))
-        return {"x": q, "x_scale": a1}
+        return {"x": q, "x_scale": a1}  # a [1] a1 is broadcast over the rows when packed
 
-    def _dispatch_throughput(self, payload: dict, plan: dict):
-        send_counts, off = plan["send_counts"], plan["send_offsets"]
-        recv_counts = self.transport.all_to_all_counts(send_counts.tolist())
-        recv = {}
+    def _pack(self, xp: _Arrays, payload: dict, num_tokens: int):
+        """uint8 [T + 1, B]: each token's parts side by side, B a multiple of 16; row T is the pad row
+        (zero bytes, topk_ids = -1). Returns it and the layout [(key, offset, bytes, dtype, row shape)]."""
+        layout, offset = [], 0
         for key, tensor in payload.items():
-            sends = [_take(tensor, plan["send_tokens"][off[d]:off[d + 1]]) for d in range(self.world_size)]
-            recv[key] = _cat(self.transport.all_to_all(sends, recv_counts), tensor)
-        return recv, recv_counts
+            row_shape = tuple(tensor.shape[1:])
+            nbytes = int(np.prod(row_shape, dtype=np.int64)) * _itemsize(tensor)
+            layout.append((key, offset, nbytes, tensor.dtype, row_shape))
+            offset += nbytes
+        width = -(-offset // _ROW_ALIGN) * _ROW_ALIGN
+        packed = xp.empty((num_tokens + 1, width), xp.uint8())
+        for key, off, nbytes, _, _ in layout:
+            tensor = payload[key]
+            rows = tensor.shape[0]  # num_tokens, or 1 for a per-tensor a1 (broadcast)
+            if num_tokens:
+                packed[:num_tokens, off:off + nbytes] = xp.byte_rows(tensor, rows)
+        packed[num_tokens] = 0
+        _, ids_off, ids_bytes, _, _ = layout[-1]
+        packed[num_tokens, ids_off:ids_off + ids_bytes] = 0xFF  # int32 -1
+        if width > offset and num_tokens:
+            packed[:num_tokens, offset:] = 0  # the alignment padding travels too: keep it defined
+        return packed, layout
 
-    def _dispatch_low_latency(self, payload: dict, plan: dict, capacity: int):
-        """Fixed [W, C, ...] buffers; unused positions get topk_ids -1 (skipped by the engine), a1 = 1."""
-        off, world = plan["send_offsets"], self.world_size
-        recv = {}
-        for key, tensor in payload.items():
-            fill = -1 if key == "topk_ids" else (1 if key in ("x_scale", "per_token_scale") else 0)
-            sends = []
-            for d in range(world):
-                buf = _full(tensor, (capacity,) + tuple(tensor.shape[1:]), fill)
-                n = int(off[d + 1] - off[d])
-                buf[:n] = _take(tensor, plan["send_tokens"][off[d]:off[d + 1]])
-                sends.append(buf)
-            recv[key] = _cat(self.transport.all_to_all(sends, [capacity] * world), tensor)
-        return recv, [capacity] * world
+    def _unpack(self, xp: _Arrays, recv, layout) -> dict:
+        return {key: xp.from_bytes(recv[:, off:off + nbytes], dtype, row_shape)
+                for key, off, nbytes, dtype, row_shape in layout}
 
-    def _expert_rows(self, recv, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale, zero_fill):
+    def _exchange(self, xp: _Arrays, buffer, send_counts: list, recv_counts: list, row_shape, dtype):
+        """Rows of `buffer` (grouped by destination, send_counts[d] each) to the peers; returns the
+        received rows, grouped by source, as one contiguous array."""
+        sends, start = [], 0
+        for c in send_counts:
+            sends.append(buffer[start:start + c])
+            start += c
+        out = xp.empty((sum(recv_counts),) + tuple(row_shape), dtype)
+        self.transport.all_to_all(sends, recv_counts, out=out)
+        return out
+
+    def _dispatch_throughput(self, xp: _Arrays, packed, routing: _Routing):
+        world = self.world_size
+        # One small exchange of (tokens, owned slots) per peer, then the only host sync of the layer.
+        mine = xp.contiguous(_stack_columns(xp, routing.send_counts, routing.return_counts))  # [W, 2]
+        theirs = self._exchange(xp, mine, [1] * world, [1] * world, (2,), mine.dtype)
+        both = xp.host_ints(_concat(xp, mine.reshape(-1), theirs.reshape(-1)))
+        counts = {"send_tokens": both[0:2 * world:2], "send_slots": both[1:2 * world:2],
+                  "recv_tokens": both[2 * world::2], "recv_slots": both[2 * world + 1::2]}
+        total = sum(counts["send_tokens"])
+        base = xp.cumsum0(routing.send_counts) - routing.send_counts  # exclusive offsets, on the device
+        src = _send_index(xp, routing, base, total)
+        recv = self._exchange(xp, packed[src], counts["send_tokens"], counts["recv_tokens"], (packed.shape[1],),
+                              packed.dtype)
+        return recv, counts
+
+    def _dispatch_low_latency(self, xp: _Arrays, packed, routing: _Routing, capacity: int):
+        """Fixed [W, C] positions per peer; unused ones copy the pad row (topk_ids -1: skipped)."""
+        world = self.world_size
+        base = xp.arange(world) * capacity
+        src = _send_index(xp, routing, base, world * capacity)
+        return self._exchange(xp, packed[src], [capacity] * world, [capacity] * world, (packed.shape[1],),
+                              packed.dtype)
+
+    def _expert_rows(self, recv, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale, top_k, tactic):
         ids = recv["topk_ids"]
-        num, top_k, hidden = ids.shape[0], ids.shape[1], w2.shape[1]
+        num, hidden = ids.shape[0], w2.shape[1]
         if num == 0:  # this rank received no token
-            return np.zeros((0, hidden), ml_dtypes.bfloat16)
-        rows = np.zeros((num * top_k, hidden), ml_dtypes.bfloat16) if zero_fill and not is_torch(ids) else None
+            return ops.empty_like_framework(ids, (0, hidden), "bfloat16")
         return ops.moe_expert_rows(
             recv["x"], ids, w1, w1_scale, w2, w2_scale, quant_mode=self.quant_mode, num_experts=self.num_experts,
             x_scale=recv.get("x_scale"), per_token_scale=recv.get("per_token_scale"), w1_alpha=w1_alpha,
             w2_alpha=w2_alpha, fc2_input_scale=fc2_input_scale, num_local_experts=self.experts_per_rank,
-            local_expert_offset=self.local_expert_offset, rows=rows, **self.options)
+            local_expert_offset=self.local_expert_offset, tactic=tactic, **self.options)
 
-    def _combine_throughput(self, rows, recv_ids, recv_counts, plan, num_tokens, top_k):
-        """Owner: rows of its slots, grouped by source rank in receive order. Home: place them by plan."""
-        world = self.world_size
-        slots = np.zeros(0, np.int64)
-        if recv_ids.shape[0]:
-            slots = np.asarray(_C.ep_owner_return_slots(arg(_host_i32(recv_ids), "recv_ids"), self.num_experts,
-                                                        world, self.rank), np.int64)
-        token_bounds = np.cumsum([0] + list(recv_counts)) * top_k  # slot bounds of each source's tokens
-        cut = np.searchsorted(slots, token_bounds)
-        sends = [_take(rows, slots[cut[s]:cut[s + 1]]) for s in range(world)]
-        back = self.transport.all_to_all(sends, plan["return_counts"].tolist())
-        home = _full(rows, (num_tokens * top_k, rows.shape[1]), 0)
-        home[plan["return_slots"]] = _cat(back, rows)
-        return home
+    def _combine_throughput(self, xp: _Arrays, rows, recv_ids, counts, routing: _Routing):
+        """Owner: rows of its slots, grouped by source rank in receive order ((token, slot) order).
+        Home: the row of its slot s owned by d is at return_offset[d] + (rank of s among d's slots)."""
+        hidden = rows.shape[1]
+        owned_total = sum(counts["recv_slots"])
+        ids64 = xp.int64(recv_ids).reshape(-1)
+        lo = self.local_expert_offset
+        owned = (ids64 >= lo) & (ids64 < lo + self.experts_per_rank)  # valid and local, flat [N*k]
+        slot_rank = xp.cumsum0(xp.int64(owned)) - 1
+        target = xp.where(owned, slot_rank, xp.full(slot_rank.shape, owned_total))
+        ret_src = xp.full((owned_total + 1,), 0)
+        ret_src[target] = xp.arange(int(ids64.shape[0]))
+        back = self._exchange(xp, rows[ret_src[:owned_total]], counts["recv_slots"], counts["send_slots"],
+                              (hidden,), rows.dtype)
+        # Home side: one gather into slot order; slots without a row point at a row never read.
+        home_total = sum(counts["send_slots"])
+        cum = xp.cumsum0(xp.int64(routing.slot_onehot))
+        rank_in_owner = (cum * xp.int64(routing.slot_onehot)).sum(1) - 1  # [T*k], -1 for invalid slots
+        base = xp.cumsum0(routing.return_counts) - routing.return_counts
+        owner = routing.owner_or_0.reshape(-1)
+        index = xp.where(routing.valid.reshape(-1), base[owner] + rank_in_owner,
+                         xp.full(owner.shape, 0))
+        if home_total == 0:  # no valid slot at all: nothing is read by the finalize
+            return _zeros_rows(xp, routing.num_tokens * routing.top_k, hidden, rows.dtype)
+        return back[index]
 
-    def _combine_low_latency(self, rows, plan, num_tokens, top_k, capacity):
-        """Owner: its whole [W, C*k, H] row buffer back (fixed size). Home: row of (t, j) from owner d
-        sits at position(t in d's list) * k + j."""
-        world, hidden = self.world_size, rows.shape[1]
+    def _combine_low_latency(self, xp: _Arrays, rows, routing: _Routing, capacity: int):
+        """Owner: its whole [W, C*k, H] row buffer back (fixed size). Home: row of (t, j) owned by d
+        sits at d*C*k + position(t in d's list)*k + j."""
+        world, hidden, top_k = self.world_size, rows.shape[1], routing.top_k
         chunk = capacity * top_k
-        sends = [rows[s * chunk:(s + 1) * chunk] for s in range(world)]
-        back = self.transport.all_to_all(sends, [chunk] * world)
-        home = _full(rows, (num_tokens * top_k, hidden), 0)
-        off, roff = plan["send_offsets"], plan["return_offsets"]
-        for d in range(world):
-            position = np.full(num_tokens, -1, np.int64)
-            position[plan["send_tokens"][off[d]:off[d + 1]]] = np.arange(off[d + 1] - off[d])
-            slots = plan["return_slots"][roff[d]:roff[d + 1]]
-            home[slots] = _take(back[d], position[slots // top_k] * top_k + slots % top_k)
-        return home
+        back = self._exchange(xp, rows, [chunk] * world, [chunk] * world, (hidden,), rows.dtype)
+        owner = routing.owner_or_0
+        position = xp.take_columns(routing.position, owner)  # [T, k]
+        j = xp.arange(top_k)[None, :]
+        index = xp.where(routing.valid, owner * chunk + position * top_k + j, xp.full(owner.shape, 0))
+        return back[index.reshape(-1)]
+
+
+def _numpy_to_torch(a):
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype == quant.E4M3:
+        return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
+    return torch.from_numpy(a)
+
+
+def _itemsize(t) -> int:
+    return t.element_size() if is_torch(t) else t.dtype.itemsize
+
+
+def _stack_columns(xp: _Arrays, a, b):
+    if xp.torch:
+        return xp.torch.stack([xp.int64(a), xp.int64(b)], 1)
+    return np.stack([xp.int64(a), xp.int64(b)], 1)
+
+
+def _concat(xp: _Arrays, a, b):
+    return xp.torch.cat([a, b]) if xp.torch else np.concatenate([a, b])
+
+
+def _zeros_rows(xp: _Arrays, n, hidden, dtype):
+    if xp.torch:
+        return xp.torch.zeros((n, hidden), dtype=dtype, device=xp.device)
+    return np.zeros((n, hidden), dtype)

@@ -106,7 +106,9 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
         if not tactic and quant_mode == "w4a8_int4" and _C.kernels_built():
             # No forced tactic: the autotuner's cached winner, or inside autotune() the fastest
-            # tactic timed now on this call's own tensors; None keeps the C++ heuristic.
+            # tactic timed now on this call's own tensors; None keeps the C++ heuristic. The other
+            # modes run the bf16 x 4-bit GEMMs, whose tactics the tuner does not enumerate yet: the
+            # C++ heuristic picks theirs.
             from . import tune
 
             chosen = tune.fused_moe_tactic(
@@ -126,11 +128,13 @@ def moe_expert_rows(x, topk_ids, w1, w1_scale, w2, w2_scale, *, quant_mode, num_
                     w1_alpha=None, w2_alpha=None, fc2_input_scale=None, per_token_scale=None,
                     num_local_experts=None, local_expert_offset=0, activation="swiglu", swiglu_alpha=1.0,
                     swiglu_beta=0.0, swiglu_limit=math.inf, situ_beta=1.0, situ_linear_beta=None,
-                    gate_up_layout="gate_up", rows=None):
+                    gate_up_layout="gate_up", rows=None, tactic=None):
     """Per-slot GEMM2 rows without the finalize: rows bf16 [T*k, H], rows[t*k + j] =
     bf16(alpha2 * W2 . requant(act(alpha1 * W13 . x[t]))) for every valid local slot (no routing
     weight); rows of other slots are left unwritten. moe_finalize(rows, ...) then equals
-    fused_moe(..., deterministic=True) bit for bit. CPU arrays only for now."""
+    fused_moe(..., deterministic=True) bit for bit (on the GPU: with the same GEMM tactics, which the
+    heuristic picks from the problem size; pass tactic= to pin them). numpy arrays run the CPU
+    reference; torch CUDA tensors the GPU pipeline on torch's current stream (no host sync)."""
     if len(getattr(topk_ids, "shape", ())) != 2:
         raise ValueError("qmoe: argument 'topk_ids': expected a 2-D tensor [T, top_k], got "
                          f"shape {tuple(getattr(topk_ids, 'shape', ()))}")
@@ -147,10 +151,20 @@ def moe_expert_rows(x, topk_ids, w1, w1_scale, w2, w2_scale, *, quant_mode, num_
         ones = torch.ones((num_tokens, top_k), dtype=torch.float32, device=x.device)
     else:
         ones = np.ones((num_tokens, top_k), np.float32)
-    _C.moe_expert_rows(_layer_call(
+    call = _layer_call(
         quant_mode, x, x_scale, topk_ids, ones, w1, w1_scale, w1_alpha, fc2_input_scale, w2, w2_scale, w2_alpha,
         per_token_scale, (rows, "rows"), num_experts, num_local_experts, local_expert_offset, activation,
-        swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout, True, 1.0, None))
+        swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout, True, 1.0, tactic)
+    workspace = None
+    if is_torch(x) and x.is_cuda:
+        # Exact scratch size from C++ (validates the call first); torch's caching allocator makes it
+        # cheap per call and takes it from the graph's pool inside a CUDA-graph capture.
+        import torch
+
+        nbytes = _C.moe_expert_rows_workspace_size(call)
+        if nbytes > 0:
+            workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    _C.moe_expert_rows(call, arg(workspace, "workspace"), current_stream(x))
     return rows
 
 
@@ -158,7 +172,8 @@ def moe_finalize(rows, topk_ids, topk_weights, *, num_experts, num_local_experts
                  routed_scaling_factor=1.0, output_dtype="bfloat16", out=None):
     """Deterministic finalize of per-slot rows (bf16 [T*k, H], as moe_expert_rows writes them):
     out[t] = round_out(rsf * sum_j fp32(w[t, j] * rows[t*k + j])), fp32 in slot order, over the slots
-    whose expert is valid and local; other rows are never read. CPU arrays only for now."""
+    whose expert is valid and local; other rows are never read. numpy arrays run the CPU reference;
+    torch CUDA tensors a GPU kernel (bit-identical) on torch's current stream."""
     if len(getattr(topk_ids, "shape", ())) != 2 or len(getattr(rows, "shape", ())) != 2:
         raise ValueError("qmoe: argument 'rows': expected rows [T*k, H] and topk_ids [T, k], got shapes "
                          f"{tuple(getattr(rows, 'shape', ()))} and {tuple(getattr(topk_ids, 'shape', ()))}")
@@ -167,7 +182,8 @@ def moe_finalize(rows, topk_ids, topk_weights, *, num_experts, num_local_experts
     _C.moe_finalize(arg(rows, "rows"), arg(topk_ids, "topk_ids"), arg(topk_weights, "topk_weights"),
                     arg(out, "out", output=True), as_int(num_experts, "num_experts"),
                     as_int(num_experts if num_local_experts is None else num_local_experts, "num_local_experts"),
-                    as_int(local_expert_offset, "local_expert_offset"), float(routed_scaling_factor))
+                    as_int(local_expert_offset, "local_expert_offset"), float(routed_scaling_factor),
+                    current_stream(rows))
     return out
 
 

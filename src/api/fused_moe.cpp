@@ -4,12 +4,14 @@
 //
 // validate_fused_moe checks every dtype, shape, device, contiguity and mode/argument combination
 // before any work, naming the first bad argument; fused_moe then runs the CPU reference
-// (src/reference/fused_moe.cpp) on CPU tensors, or, for CUDA tensors with quant_mode w4a8_int4, the
-// GPU pipeline (src/cuda/fused/sm90_fused_moe_w4a8_int4.cu) after the GPU-only checks below
-// (local experts <= 1024, 16-byte aligned weights, tactic, workspace size and alignment). Other
-// quant modes on CUDA tensors raise a kRuntime qmoe::Error (their GPU pipeline is not built yet).
-// fused_moe_workspace_size returns the exact scratch bytes of the GPU pipeline
-// (src/cuda/fused/fused_moe_workspace.h), 0 for CPU tensors and for modes without a GPU path.
+// (src/reference/fused_moe.cpp) on CPU tensors, or a GPU pipeline on CUDA tensors after the GPU-only
+// checks below (local experts <= 1024; H % 32 == 0 and I % 32 == 0 for FP4 weights, the K step of
+// the bf16 x 4-bit GEMM; 16-byte aligned weights, scales and, for the bf16 x 4-bit pipeline, x;
+// tactic; workspace size, alignment and no overlap with any tensor of the call):
+//   w4a8_int4                     src/cuda/fused/sm90_fused_moe_w4a8_int4.cu (int4 x e4m3 GEMMs)
+//   w4a16, w4a16_int4, w4a4, w4a8 src/cuda/fused/sm90_fused_moe_bf16_w4.cu   (bf16 x 4-bit GEMMs)
+// fused_moe_workspace_size returns the exact scratch bytes of the pipeline
+// (src/cuda/fused/fused_moe_workspace.h), 0 for CPU tensors.
 //
 // Shapes (E_l = local experts, H = w2.size(1), I = 2 * w2.size(2), R1 = 2I gated / I for ReLU^2):
 //   topk_ids int32 [T, k] (1 <= k <= 16), topk_weights f32 [T, k], output bf16/f16/f32 [T, H]
@@ -322,14 +324,7 @@ void validate_moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows) {
   check_output_no_alias(p, rows, "rows");
 }
 
-void moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows) {
-  validate_moe_expert_rows(p, rows);
-  check_arg(!p.x.is_cuda(), "x", "CPU tensors (moe_expert_rows has no GPU path yet)", "CUDA tensors",
-            ErrorKind::kRuntime);
-  check_arg(p.tactic.empty(), "tactic", "empty on CPU tensors (the CPU reference has no tactics)",
-            "'" + p.tactic + "'");
-  reference::moe_expert_rows(p, rows);
-}
+// moe_expert_rows and moe_expert_rows_workspace_size: at the end of this file (they use the GPU checks).
 
 namespace {
 
@@ -349,10 +344,46 @@ GpuDims gpu_dims(const FusedMoeParams& p) {
   return d;
 }
 
-bool has_gpu_path(const FusedMoeParams& p) { return p.x.is_cuda() && p.quant_mode == QuantMode::kW4A8Int4; }
+// Every quant mode has a GPU pipeline: w4a8_int4 its own (int4 x e4m3 GEMMs), the others the
+// bf16 x 4-bit one.
+bool has_gpu_path(const FusedMoeParams& p) { return p.x.is_cuda(); }
+bool uses_bf16_pipeline(const FusedMoeParams& p) { return p.quant_mode != QuantMode::kW4A8Int4; }
 
-int64_t gpu_workspace_bytes(const GpuDims& d) {
+int64_t gpu_workspace_bytes(const FusedMoeParams& p, const GpuDims& d) {
+  if (uses_bf16_pipeline(p))
+    return cuda::fused_moe_bf16_w4_workspace_layout(d.slots, d.local, d.hidden, d.inter, d.rows1).total;
   return cuda::fused_moe_workspace_layout(d.slots, d.local, d.hidden, d.inter, d.rows1).total;
+}
+
+void check_aligned16(const TensorRef& t, const std::string& name) {
+  check_arg(reinterpret_cast<uintptr_t>(t.data) % 16 == 0, name,
+            "a 16-byte aligned data pointer (the GPU kernels copy 16-byte chunks)",
+            "an address that is not 16-byte aligned");
+}
+
+// Limits of the GPU pipelines that validate_fused_moe (device independent) does not impose; checked
+// by fused_moe_workspace_size too, so a call the GPU cannot run fails before anything is allocated.
+void check_gpu_limits(const FusedMoeParams& p, const GpuDims& d) {
+  check_arg(d.local <= kMaxExperts, "num_local_experts",
+            "at most " + std::to_string(kMaxExperts) + " local experts on the GPU (routing scan and GEMM work list)",
+            str(d.local));
+  if (!is_int4_mode(p.quant_mode)) {
+    // The bf16 x 4-bit GEMM decodes FP4 weights 32 K-values at a time (one MX block, two NVFP4
+    // blocks), and the requant kernel maps 16/32-blocks of I onto warp lanes: K = H for GEMM1 and
+    // K = I for GEMM2 must be multiples of 32 (validation asks only 16 of NVFP4 weights).
+    constexpr int64_t kGpuKStep = 32;
+    check_arg(d.hidden % kGpuKStep == 0, "w2",
+              "hidden size H = w2.size(1) divisible by 32 on the GPU (the K step of its FP4 GEMM)",
+              "H = " + str(d.hidden));
+    check_arg(d.inter % kGpuKStep == 0, "w2",
+              "intermediate size I = 2 * w2.size(2) divisible by 32 on the GPU (the K step of its FP4 GEMM)",
+              "I = " + str(d.inter));
+  }
+  for (const auto& [t, name] : {std::pair<const TensorRef*, const char*>{&p.w1, "w1"}, {&p.w1_scale, "w1_scale"},
+                                {&p.w2, "w2"}, {&p.w2_scale, "w2_scale"}})
+    check_aligned16(*t, name);
+  // The bf16 x 4-bit pipeline gathers x in 16-byte chunks (rows stay aligned: H % 32 == 0).
+  if (uses_bf16_pipeline(p)) check_aligned16(p.x, "x");
 }
 
 // The tactic of one of the two GEMMs: the forced one (checked against the problem) or the heuristic's.
@@ -363,6 +394,7 @@ Tactic gemm_tactic(const FusedMoeParams& p, const GpuDims& d, int64_t n, int64_t
   problem.total_rows = d.slots;  // an upper bound: the local rows are only known on the device
   problem.num_experts = d.local;
   problem.topk = d.topk;
+  problem.bf16_activations = uses_bf16_pipeline(p);  // the other kernel, with its own tactic list
   if (p.tactic.empty()) return select_tactic(problem);
   const Tactic forced = parse_tactic(p.tactic);
   const std::vector<Tactic> valid = valid_tactics(problem);
@@ -376,43 +408,30 @@ Tactic gemm_tactic(const FusedMoeParams& p, const GpuDims& d, int64_t n, int64_t
   return forced;
 }
 
-void check_aligned16(const TensorRef& t, const std::string& name) {
-  check_arg(reinterpret_cast<uintptr_t>(t.data) % 16 == 0, name,
-            "a 16-byte aligned data pointer (the GPU GEMMs copy 16-byte chunks)",
-            "an address that is not 16-byte aligned");
-}
-
 }  // namespace
 
 int64_t fused_moe_workspace_size(const FusedMoeParams& p) {
   validate_fused_moe(p);
-  // The CPU reference allocates its own scratch; modes without a GPU path fail in fused_moe.
-  return has_gpu_path(p) ? gpu_workspace_bytes(gpu_dims(p)) : 0;
+  // The CPU reference allocates its own scratch. A call the GPU cannot run fails here already, so a
+  // caller never allocates for it.
+  if (!has_gpu_path(p)) return 0;
+  const GpuDims d = gpu_dims(p);
+  check_gpu_limits(p, d);
+  return gpu_workspace_bytes(p, d);
 }
 
 void fused_moe(const FusedMoeParams& p, void* workspace, int64_t workspace_bytes, cudaStream_t stream) {
   validate_fused_moe(p);
   if (p.x.is_cuda()) {
-    if (p.quant_mode != QuantMode::kW4A8Int4) {
-      throw Error("quant_mode", "'w4a8_int4' for CUDA tensors (the other modes run on CPU tensors only)",
-                  std::string("CUDA tensors for quant_mode '") + quant_mode_name(p.quant_mode) +
-                      "', whose fused MoE is not available on the GPU yet",
-                  ErrorKind::kRuntime);
-    }
+    const GpuDims d = gpu_dims(p);
+    check_gpu_limits(p, d);  // before the build check: a call the GPU cannot run is refused by name
     if (!cuda::kernels_built()) {
       throw Error("fused_moe", "a qmoe build with CUDA kernels (QMOE_WITH_CUDA_KERNELS=ON)",
                   "a CPU-only build; pass CPU tensors or rebuild", ErrorKind::kRuntime);
     }
-    const GpuDims d = gpu_dims(p);
-    check_arg(d.local <= kMaxExperts, "num_local_experts",
-              "at most " + std::to_string(kMaxExperts) + " local experts on the GPU (routing scan and GEMM work list)",
-              str(d.local));
-    for (const auto& [t, name] : {std::pair<const TensorRef*, const char*>{&p.w1, "w1"}, {&p.w1_scale, "w1_scale"},
-                                  {&p.w2, "w2"}, {&p.w2_scale, "w2_scale"}})
-      check_aligned16(*t, name);
     const Tactic gemm1 = gemm_tactic(p, d, d.rows1, d.hidden);
     const Tactic gemm2 = gemm_tactic(p, d, d.hidden, d.inter);
-    const int64_t need = gpu_workspace_bytes(d);
+    const int64_t need = gpu_workspace_bytes(p, d);
     check_arg(workspace != nullptr && workspace_bytes >= need, "workspace",
               "a CUDA buffer of at least " + str(need) + " bytes (fused_moe_workspace_size)",
               workspace == nullptr ? std::string("nullptr") : str(workspace_bytes) + " bytes");
@@ -426,21 +445,70 @@ void fused_moe(const FusedMoeParams& p, void* workspace, int64_t workspace_bytes
     ws.ndim = 1;
     ws.shape[0] = workspace_bytes;
     ws.strides[0] = 1;
-    for (const auto& [t, name] : {std::pair<const TensorRef*, const char*>{&p.x, "x"}, {&p.topk_ids, "topk_ids"},
-                                  {&p.topk_weights, "topk_weights"}, {&p.w1, "w1"}, {&p.w1_scale, "w1_scale"},
-                                  {&p.w2, "w2"}, {&p.w2_scale, "w2_scale"}, {&p.output, "output"}})
-      check_no_alias(ws, "workspace", *t, name);
-    for (const auto& [t, name] : {std::pair<const std::optional<TensorRef>*, const char*>{&p.x_scale, "x_scale"},
-                                  {&p.w1_alpha, "w1_alpha"}, {&p.w2_alpha, "w2_alpha"},
-                                  {&p.fc2_input_scale, "fc2_input_scale"}})
-      if (t->has_value()) check_no_alias(ws, "workspace", **t, name);
-    cuda::fused_moe_w4a8_int4(p, gemm1, gemm2, workspace, stream);
+    check_no_alias(ws, "workspace", p.output, "output");
+    check_output_no_alias(p, ws, "workspace");  // every input, optional ones included
+    if (uses_bf16_pipeline(p)) {
+      cuda::fused_moe_bf16_w4(p, gemm1, gemm2, workspace, nullptr, stream);
+    } else {
+      cuda::fused_moe_w4a8_int4(p, gemm1, gemm2, workspace, nullptr, stream);
+    }
     return;
   }
   // A forced tactic names a GPU kernel configuration; the reference has none to honour.
   check_arg(p.tactic.empty(), "tactic", "empty on CPU tensors (the CPU reference has no tactics)",
             "'" + p.tactic + "'");
   reference::fused_moe(p);
+}
+
+// ---- moe_expert_rows (expert parallelism): fused_moe's pipeline up to GEMM2, rows per flat slot ----
+// The workspace and every pre-launch check are fused_moe's (the pipelines are the same up to GEMM2).
+
+int64_t moe_expert_rows_workspace_size(const FusedMoeParams& p, const TensorRef& rows) {
+  validate_moe_expert_rows(p, rows);
+  if (!has_gpu_path(p)) return 0;
+  const GpuDims d = gpu_dims(p);
+  check_gpu_limits(p, d);
+  return gpu_workspace_bytes(p, d);
+}
+
+void moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows, void* workspace, int64_t workspace_bytes,
+                     cudaStream_t stream) {
+  validate_moe_expert_rows(p, rows);
+  if (!p.x.is_cuda()) {
+    check_arg(p.tactic.empty(), "tactic", "empty on CPU tensors (the CPU reference has no tactics)",
+              "'" + p.tactic + "'");
+    reference::moe_expert_rows(p, rows);
+    return;
+  }
+  const GpuDims d = gpu_dims(p);
+  check_gpu_limits(p, d);
+  if (!cuda::kernels_built()) {
+    throw Error("moe_expert_rows", "a qmoe build with CUDA kernels (QMOE_WITH_CUDA_KERNELS=ON)",
+                "a CPU-only build; pass CPU tensors or rebuild", ErrorKind::kRuntime);
+  }
+  const Tactic gemm1 = gemm_tactic(p, d, d.rows1, d.hidden);
+  const Tactic gemm2 = gemm_tactic(p, d, d.hidden, d.inter);
+  const int64_t need = gpu_workspace_bytes(p, d);
+  check_arg(workspace != nullptr && workspace_bytes >= need, "workspace",
+            "a CUDA buffer of at least " + str(need) + " bytes (moe_expert_rows_workspace_size)",
+            workspace == nullptr ? std::string("nullptr") : str(workspace_bytes) + " bytes");
+  check_arg(reinterpret_cast<uintptr_t>(workspace) % cuda::FusedMoeWorkspaceLayout::kAlign == 0, "workspace",
+            "a " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned pointer (as cudaMalloc returns)",
+            "an address that is not " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned");
+  // The pipeline writes every byte of the workspace: it must not overlap any tensor of the call.
+  TensorRef ws = rows;
+  ws.data = workspace;
+  ws.dtype = DType::kUInt8;
+  ws.ndim = 1;
+  ws.shape[0] = workspace_bytes;
+  ws.strides[0] = 1;
+  check_no_alias(ws, "workspace", rows, "rows");
+  check_output_no_alias(p, ws, "workspace");  // every input, optional ones included
+  if (uses_bf16_pipeline(p)) {
+    cuda::fused_moe_bf16_w4(p, gemm1, gemm2, workspace, rows.data, stream);
+  } else {
+    cuda::fused_moe_w4a8_int4(p, gemm1, gemm2, workspace, rows.data, stream);
+  }
 }
 
 }  // namespace qmoe

@@ -7,11 +7,12 @@
 // [T, k] (1 <= k <= 16), topk_weights f32 [T, k], output bf16/f16/f32 [T, H] (written, must not overlap
 // an input). The rows come from moe_expert_rows, on this rank or (expert parallelism) on the ranks
 // that own the experts; the result then equals fused_moe(deterministic = true) bit for bit.
-// CPU tensors only for now (the GPU finalize kernel takes per-expert rows; a per-slot variant is
-// the GPU session's work).
+// CPU tensors run the reference (src/reference/fused_moe.cpp); CUDA tensors the GPU kernel
+// (src/cuda/fused/moe_finalize.cu, the same arithmetic, bit-identical) on `stream`.
 #include <cmath>
 #include <string>
 
+#include "cuda/launch.h"
 #include "qmoe/fused_moe.h"
 #include "qmoe/routing.h"
 
@@ -61,10 +62,16 @@ void validate_moe_finalize(const MoeFinalizeParams& p) {
   check_no_alias(p.output, "output", p.topk_weights, "topk_weights");
 }
 
-void moe_finalize(const MoeFinalizeParams& p) {
+void moe_finalize(const MoeFinalizeParams& p, cudaStream_t stream) {
   validate_moe_finalize(p);
-  check_arg(!p.rows.is_cuda(), "rows", "CPU tensors (moe_finalize has no GPU path yet)", "CUDA tensors",
-            ErrorKind::kRuntime);
+  if (p.rows.is_cuda()) {
+    if (!cuda::kernels_built()) {
+      throw Error("moe_finalize", "a qmoe build with CUDA kernels (QMOE_WITH_CUDA_KERNELS=ON)",
+                  "a CPU-only build; pass CPU tensors or rebuild", ErrorKind::kRuntime);
+    }
+    cuda::moe_finalize(p, stream);
+    return;
+  }
   reference::moe_finalize(p);
 }
 

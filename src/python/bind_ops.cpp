@@ -1,4 +1,5 @@
-// Bindings of the MoE ops: routing data, W4A8 grouped GEMM, fused MoE (+ its workspace size), tactics.
+// Bindings of the MoE ops: routing data, W4A8 grouped GEMM, fused MoE (+ its workspace size), the
+// per-slot rows + finalize halves of the deterministic layer (expert parallelism), tactics.
 // Python passes tensors as _C.Arg and the caller framework's stream as an integer.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -220,20 +221,26 @@ void bind_ops(nb::module_& m) {
       nb::arg("call"), nb::arg("workspace").none(), nb::arg("stream"));
 
   // The call's `output` is rows bf16 [T*k, H], written per local slot (include/qmoe/fused_moe.h);
-  // deterministic and routed_scaling_factor are not used.
+  // deterministic and routed_scaling_factor are not used. CUDA tensors: workspace of
+  // moe_expert_rows_workspace_size bytes, work enqueued on `stream`.
+  m.def("moe_expert_rows_workspace_size",
+        [](const LayerCall& c) { return moe_expert_rows_workspace_size(c.params, c.params.output); },
+        nb::arg("call"));
   m.def(
       "moe_expert_rows",
-      [](const LayerCall& c) {
+      [](const LayerCall& c, const Arg* workspace, uintptr_t stream) {
+        void* ws = workspace ? workspace->ref.data : nullptr;
+        const int64_t ws_bytes = workspace ? workspace->ref.numel() * dtype_size(workspace->ref.dtype) : 0;
         nb::gil_scoped_release release;
-        moe_expert_rows(c.params, c.params.output);
+        moe_expert_rows(c.params, c.params.output, ws, ws_bytes, as_stream(stream));
       },
-      nb::arg("call"));
+      nb::arg("call"), nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0);
 #undef FUSED_MOE_ARGS
 
   m.def(
       "moe_finalize",
       [](const Arg& rows, const Arg& topk_ids, const Arg& topk_weights, Arg& output, int64_t num_experts,
-         int64_t num_local_experts, int64_t local_expert_offset, float routed_scaling_factor) {
+         int64_t num_local_experts, int64_t local_expert_offset, float routed_scaling_factor, uintptr_t stream) {
         MoeFinalizeParams p;
         p.rows = rows.ref;
         p.topk_ids = topk_ids.ref;
@@ -244,10 +251,11 @@ void bind_ops(nb::module_& m) {
         p.local_expert_offset = local_expert_offset;
         p.routed_scaling_factor = routed_scaling_factor;
         nb::gil_scoped_release release;
-        moe_finalize(p);
+        moe_finalize(p, as_stream(stream));
       },
       nb::arg("rows"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("output"), nb::arg("num_experts"),
-      nb::arg("num_local_experts"), nb::arg("local_expert_offset"), nb::arg("routed_scaling_factor"));
+      nb::arg("num_local_experts"), nb::arg("local_expert_offset"), nb::arg("routed_scaling_factor"),
+      nb::arg("stream") = 0);
 }
 
 }  // namespace qmoe::python

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fused_moe_case.h"
+#include "cuda/fused/fused_moe_workspace.h"
 #include "cuda/launch.h"
 #include "qmoe/fused_moe.h"
 
@@ -377,20 +378,103 @@ TEST_F(FusedMoeValidation, TacticOnCpu) {
   p.tactic = "decode_m64_n16_k128";
   expect_error(cs, p, "tactic");
 }
-// CUDA tensors: w4a8_int4 has a GPU pipeline (it then needs its workspace); the other modes do
-// not run on the GPU yet and say so.
+// CUDA tensors: every quant mode has a GPU pipeline (w4a8_int4 its own, the others the bf16 x
+// 4-bit one), which needs its workspace; the GPU-only limits are refused by name before anything.
 void move_to_cuda(FusedMoeParams& p) {
   for (TensorRef* t : {&p.x, &p.topk_ids, &p.topk_weights, &p.w1, &p.w1_scale, &p.w2, &p.w2_scale, &p.output})
     t->device = Device::kCUDA;
-  for (auto* t : {&p.x_scale, &p.fc2_input_scale, &p.w1_alpha, &p.w2_alpha})
+  for (auto* t : {&p.x_scale, &p.fc2_input_scale, &p.w1_alpha, &p.w2_alpha, &p.per_token_scale})
     if (t->has_value()) (*t)->device = Device::kCUDA;
 }
 
-TEST_F(FusedMoeValidation, CudaModesWithoutGpuPathSaySo) {
-  Case cs = make(QuantMode::kW4A16Int4);
+const QuantMode kBf16PipelineModes[] = {QuantMode::kW4A16, QuantMode::kW4A16Int4, QuantMode::kW4A4,
+                                        QuantMode::kW4A8Mx};
+
+TEST_F(FusedMoeValidation, CudaBf16W4ModesNeedTheirWorkspace) {
+  for (QuantMode m : kBf16PipelineModes) {
+    for (Activation act : {Activation::kSwiglu, Activation::kRelu2}) {
+      Case cs = make(m, act);
+      auto p = cs.params();
+      move_to_cuda(p);
+      // The exact size of the bf16 x 4-bit layout (S = T * k slots, R1 = 2I gated / I).
+      const int64_t slots = cs.c.T * cs.c.k, rows1 = cs.rows1();
+      const int64_t expected =
+          qmoe::cuda::fused_moe_bf16_w4_workspace_layout(slots, cs.El, cs.c.H, cs.c.I, rows1).total;
+      EXPECT_EQ(qmoe::fused_moe_workspace_size(p), expected) << qmoe::quant_mode_name(m);
+      EXPECT_GE(expected, 2 * slots * (cs.c.H + cs.c.I) + 4 * slots * rows1);
+      if (qmoe::cuda::kernels_built()) {
+        expect_error(cs, p, "workspace", qmoe::ErrorKind::kValue);
+      } else {
+        expect_error(cs, p, "fused_moe", qmoe::ErrorKind::kRuntime);
+      }
+    }
+  }
+}
+
+TEST_F(FusedMoeValidation, CudaW4A4PerTokenNeedsItsWorkspace) {
+  Config c;
+  c.mode = QuantMode::kW4A4;
+  c.per_token = true;
+  c.H = 128;
+  c.I = 128;
+  c.T = 2;
+  Case cs = make_case(c, 5);
+  auto p = cs.params();
+  ASSERT_TRUE(p.per_token_scale.has_value());
+  move_to_cuda(p);
+  EXPECT_GT(qmoe::fused_moe_workspace_size(p), 0);
+  expect_error(cs, p, qmoe::cuda::kernels_built() ? "workspace" : "fused_moe",
+               qmoe::cuda::kernels_built() ? qmoe::ErrorKind::kValue : qmoe::ErrorKind::kRuntime);
+}
+
+// NVFP4 weights validate with H, I % 16 == 0; the GPU's FP4 GEMM needs 32 (both names say "w2").
+TEST_F(FusedMoeValidation, CudaFp4ModesNeedHAndIMultiplesOf32) {
+  for (QuantMode m : {QuantMode::kW4A4, QuantMode::kW4A16}) {
+    for (auto [H, I] : {std::pair<int64_t, int64_t>{144, 128}, {128, 80}}) {
+      Config c;
+      c.mode = m;
+      c.H = H;
+      c.I = I;
+      c.T = 2;
+      Case cs = make_case(c, 6);
+      auto p = cs.params();
+      EXPECT_NO_THROW(qmoe::validate_fused_moe(p));  // fine on the CPU
+      move_to_cuda(p);
+      expect_error(cs, p, "w2");
+      try {
+        qmoe::fused_moe_workspace_size(p);
+        ADD_FAILURE() << "no workspace_size error for H = " << H << ", I = " << I;
+      } catch (const qmoe::Error& e) {
+        EXPECT_EQ(e.argument(), "w2") << e.what();
+        EXPECT_NE(std::string(e.what()).find(H % 32 ? "H = 144" : "I = 80"), std::string::npos) << e.what();
+      }
+    }
+  }
+}
+
+// The bf16 x 4-bit pipeline gathers x in 16-byte chunks; w4a8_int4 reads it bytewise.
+TEST_F(FusedMoeValidation, CudaBf16W4NeedsAlignedX) {
+  for (QuantMode m : kBf16PipelineModes) {
+    Case cs = make(m);
+    auto p = cs.params();
+    move_to_cuda(p);
+    p.x.data = static_cast<uint8_t*>(p.x.data) + 1;  // never dereferenced: refused before any work
+    expect_error(cs, p, "x");
+  }
+  Case cs = make(QuantMode::kW4A8Int4);
   auto p = cs.params();
   move_to_cuda(p);
-  expect_error(cs, p, "quant_mode", qmoe::ErrorKind::kRuntime);
+  p.x.data = static_cast<uint16_t*>(p.x.data) + 1;
+  expect_error(cs, p, qmoe::cuda::kernels_built() ? "workspace" : "fused_moe",
+               qmoe::cuda::kernels_built() ? qmoe::ErrorKind::kValue : qmoe::ErrorKind::kRuntime);
+}
+
+TEST_F(FusedMoeValidation, CudaMisalignedWeightScaleNamed) {
+  Case cs = make(QuantMode::kW4A8Mx);
+  auto p = cs.params();
+  move_to_cuda(p);
+  p.w2_scale.data = static_cast<uint8_t*>(p.w2_scale.data) + 4;
+  expect_error(cs, p, "w2_scale");
 }
 
 TEST_F(FusedMoeValidation, CudaW4A8Int4NeedsItsWorkspace) {

@@ -1,8 +1,11 @@
-"""CPU tests of `qmoe bench moe` (python/qmoe/bench/moe.py, common.py): argument parsing, the floor
-arithmetic on hand-computed examples, weight shapes vs qmoe.testing, the vLLM peer file, table
-formatting, the dry run end to end (files written) and the `qmoe bench moe` CLI. With torch
-installed (CPU build is enough) the plain PyTorch MoE peer is checked against a per-token loop.
-No CUDA needed: the GPU timing itself is exercised only on the device machine.
+"""CPU tests of `qmoe bench moe` (python/qmoe/bench/moe.py, common.py): argument parsing (with
+--quant-mode), the floor arithmetic of every quant mode on hand-computed examples, the per-mode
+unsupported rules and file names, weight shapes vs qmoe.testing, the vLLM peer file, table
+formatting, the dry run end to end per mode (files written) and the `qmoe bench moe` CLI, the
+fail-soft paths (a mode that raises, an unusable CUDA context). With torch installed (CPU build is
+enough) the random data of every mode goes through qmoe's CPU engine, the torch peers are shown to
+run once per (model, T) whatever the modes, and the plain PyTorch MoE peer is checked against a
+per-token loop. No CUDA needed: the GPU timing itself is exercised only on the device machine.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import os
 import numpy as np
 import pytest
 
-from qmoe import cli, testing
+from qmoe import cli, ops, testing
 from qmoe.bench import common, moe
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,6 +31,7 @@ def test_defaults():
     assert a.models == ["deepseek_v3", "qwen3_30b_a3b", "mixtral_8x7b", "qwen3_235b_a22b", "gpt_oss_120b"]
     assert a.tokens == [1, 8, 64, 512, 4096]
     assert a.finalize == ["det", "fused"] and not a.dry_run
+    assert a.quant_mode == ["w4a8_int4"]
     assert moe._parse_args(["--dry-run"]).tokens == list(moe.DRY_RUN_TOKENS)
 
 
@@ -37,8 +41,16 @@ def test_model_names_are_normalised_and_tokens_parsed():
     assert a.tokens == [3, 17] and a.finalize == ["fused"]
 
 
+def test_quant_modes_parsed_in_run_order():
+    assert moe._parse_args(["--quant-mode", "w4a4, w4a8_int4,w4a4"]).quant_mode == ["w4a8_int4", "w4a4"]
+    assert moe._parse_args(["--quant-mode", "all"]).quant_mode == list(moe.MODES)
+    assert moe.MODES[0] == "w4a8_int4" and set(moe.MODES) == {"w4a8_int4", "w4a16_int4", "w4a16", "w4a8", "w4a4"}
+    assert set(moe.MODES) == set(ops.QUANT_MODES)  # every mode qmoe.fused_moe takes
+
+
 @pytest.mark.parametrize("argv", [["--models", "llama"], ["--tokens", "1,x"], ["--tokens", "0"],
-                                  ["--finalize", "atomic"], ["--iters", "0"]])
+                                  ["--finalize", "atomic"], ["--iters", "0"], ["--quant-mode", "w4a2"],
+                                  ["--quant-mode", "w4a4,all"], ["--quant-mode", ","]])
 def test_bad_arguments_exit(argv, capsys):
     with pytest.raises(SystemExit) as e:
         moe._parse_args(argv)
@@ -70,6 +82,50 @@ def test_floor_hand_computed_compute_bound():
     assert f["floor_us"] == pytest.approx(524288 + 262144)
 
 
+# Same routing and shape as above, every mode (M = 4 rows, 2 experts hit, H = 256, I = 128):
+#   weights GEMM1 (N=256, K=256) codes 65536 + scales: int4 2*256*2*2 = 2048, NVFP4 2*256*16 = 8192,
+#           MXFP4 2*256*8 = 4096;  GEMM2 (N=256, K=128) codes 32768 + int4 1024, NVFP4 4096, MXFP4 2048
+#   activations [4, K]: e4m3 4K; bf16 8K; MXFP8 4K + 4K/32; NVFP4 2K + 4K/16;  output 4*256*2 = 2048 both
+FLOOR_BYTES = {"w4a8_int4": (65536 + 2048 + 1024 + 2048, 32768 + 1024 + 512 + 2048),
+               "w4a16_int4": (65536 + 2048 + 2048 + 2048, 32768 + 1024 + 1024 + 2048),
+               "w4a16": (65536 + 8192 + 2048 + 2048, 32768 + 4096 + 1024 + 2048),
+               "w4a8": (65536 + 4096 + 1024 + 32 + 2048, 32768 + 2048 + 512 + 16 + 2048),
+               "w4a4": (65536 + 8192 + 512 + 64 + 2048, 32768 + 4096 + 256 + 32 + 2048)}
+
+
+@pytest.mark.parametrize("mode", list(FLOOR_BYTES))
+def test_floor_hand_computed_every_mode(mode):
+    g1, g2 = FLOOR_BYTES[mode]
+    f = moe.moe_floor([3, 0, 1, 0], 2, 256, 128, copy_tbps=1e-3, fp8_tflops=1.0, mode=mode, bf16_tflops=1.0)
+    assert (f["gemm1"]["bytes"], f["gemm2"]["bytes"]) == (g1, g2)
+    assert f["floor_us"] == pytest.approx((g1 + g2) / 1000)
+    assert f["flops"] == 524288 + 262144
+    # compute bound: the fp8 rate for w4a8_int4, w4a8, w4a4; the (here twice as fast) bf16 rate for the bf16 modes
+    f = moe.moe_floor([3, 0, 1, 0], 2, 256, 128, copy_tbps=1.0, fp8_tflops=1e-6, mode=mode, bf16_tflops=2e-6)
+    bf16 = mode in ("w4a16", "w4a16_int4")
+    assert f["rate"] == ("bf16" if bf16 else "fp8")
+    assert f["floor_us"] == pytest.approx((524288 + 262144) / (2 if bf16 else 1))
+
+
+def test_floor_of_w4a8_int4_is_unchanged_and_bf16_modes_need_the_bf16_rate():
+    old = moe.moe_floor([5, 1, 0, 2], 2, 512, 256, 4.2, 1550.0)
+    new = moe.moe_floor([5, 1, 0, 2], 2, 512, 256, 4.2, 1550.0, mode="w4a8_int4", bf16_tflops=1.0)
+    assert old == new
+    with pytest.raises(ValueError, match="bf16"):
+        moe.moe_floor([1, 1], 1, 256, 128, 4.2, 1550.0, mode="w4a16")
+    assert moe.moe_floor([1, 1], 1, 256, 128, 4.2, 1550.0, mode="w4a4")["floor_us"] > 0  # fp8 rate only
+
+
+def test_byte_counts_per_format():
+    assert common.weight_bytes("int4_g128", 3, 256, 512) == common.int4_weight_bytes(3, 256, 512)
+    assert common.weight_bytes("nvfp4", 3, 256, 512) == 3 * 256 * 256 + 3 * 256 * 32
+    assert common.weight_bytes("mxfp4", 3, 256, 512) == 3 * 256 * 256 + 3 * 256 * 16
+    assert common.activation_bytes("e4m3", 5, 512) == 2560
+    assert common.activation_bytes("bf16", 5, 512) == 5120
+    assert common.activation_bytes("mxfp8", 5, 512) == 2560 + 5 * 16
+    assert common.activation_bytes("nvfp4", 5, 512) == 1280 + 5 * 32
+
+
 def test_gemm_floor_matches_the_h200_gemm_run():
     """The DeepSeek-V3 GEMM1 T=1 row of bench/results/2026-11-30_nvidia_h200_gemm.json (gemm.py's
     formula before it moved to common.py)."""
@@ -94,18 +150,76 @@ def test_numpy_counts_are_topk_distinct():
 def test_unsupported_and_shrink():
     assert moe.qmoe_unsupported(2880, 2880) == "K % 128 != 0"
     assert moe.qmoe_unsupported(4096, 1536) is None
+    for mode in moe.MODES:
+        int4 = mode.endswith("int4")
+        assert moe.qmoe_unsupported(2880, 2880, mode) == ("K % 128 != 0" if int4 else None), mode  # gpt-oss
+        assert moe.qmoe_unsupported(4096, 1536, mode) is None
+        assert moe.qmoe_unsupported(2880, 2896, mode) == ("K % 128 != 0" if int4 else "K % 32 != 0")
+        assert moe.qmoe_unsupported(2896, 2880, mode) == ("K % 128 != 0" if int4 else "K % 32 != 0")
     assert moe._shrink_dim(7168, 16) == 512
     assert moe._shrink_dim(768, 16) == 128
     assert moe._shrink_dim(2880, 16) % 128 == 64  # stays unsupported
     assert moe._shrink_dim(7168, 1) == 7168
 
 
+def test_shrink_keeps_every_mode_valid():
+    """Shrunk model dims stay multiples of 64 (FP4 modes and their 64-row gate/up interleave run);
+    a model the int4 modes cannot run stays unsupported, the others stay supported."""
+    args = moe._parse_args(["--dry-run"])
+    for model, (_, _, hidden, inter) in testing.MODEL_SHAPES.items():
+        _, _, h, i = moe.model_dims(model, args)
+        assert h % 64 == 0 and i % 64 == 0 and h < hidden, model
+        for mode in moe.MODES:
+            assert (moe.qmoe_unsupported(h, i, mode) is None) == (moe.qmoe_unsupported(hidden, inter, mode) is None)
+
+
+@pytest.mark.parametrize("mode", ["w4a8_int4", "w4a16_int4", "w4a16", "w4a8", "w4a4"])
 @pytest.mark.parametrize("hidden,inter", [(512, 256), (256, 640)])
-def test_weight_shapes_match_testing_cases(hidden, inter):
-    case = testing.make_fused_moe_case("w4a8_int4", 3, hidden, inter, 8, 2, seed=1)
-    for name, (shape, dtype) in moe.qmoe_weight_shapes(8, hidden, inter).items():
+def test_weight_shapes_match_testing_cases(mode, hidden, inter):
+    case = testing.make_fused_moe_case(mode, 3, hidden, inter, 8, 2, seed=1)
+    shapes = moe.qmoe_weight_shapes(8, hidden, inter, mode)
+    assert set(shapes) == {"w1", "w1_scale", "w2", "w2_scale"}
+    for name, (shape, dtype) in shapes.items():
         assert case[name].shape == shape, name
-        assert case[name].dtype.name == dtype, name
+        if mode.endswith("int4"):
+            assert case[name].dtype.name == dtype, name
+        else:  # uint8 storage of fp4x2 / e4m3 / ue8m0 bytes
+            assert dtype == "uint8" and case[name].dtype.itemsize == 1, name
+    assert moe.qmoe_weight_shapes(8, hidden, inter) == moe.qmoe_weight_shapes(8, hidden, inter, "w4a8_int4")
+
+
+def test_swizzled_scale_shape_pads_rows_and_columns():
+    assert common.swizzled_scale_shape(3, 2880 * 2, 2880, 16) == (3, 5760, 180)
+    assert common.swizzled_scale_shape(3, 2880, 2880, 32) == (3, 2944, 92)   # 90 -> 92, 2880 -> 2944
+    assert common.swizzled_scale_shape(1, 100, 64, 16) == (1, 128, 4)
+
+
+def test_scale_codes_hold_no_nan_and_the_asked_range():
+    assert [common.e4m3_value(c) for c in (0x20, 0x38, 0x50, 0x7E, 0xB8)] == [0.125, 1.0, 8.0, 448.0, -1.0]
+    lo, hi = common.SCALE_CODES["e4m3"]
+    assert 0x7F not in range(lo, hi + 1)
+    assert all(2.0 ** -3 <= common.e4m3_value(c) <= 2.0 ** 3 for c in range(lo, hi + 1))
+    lo, hi = common.SCALE_CODES["ue8m0"]
+    assert (lo, hi) == (119, 127) and 0xFF not in range(lo, hi + 1)  # 2^-8 .. 2^0
+    assert common.E2M1_RMS == pytest.approx(np.sqrt(68.5 / 8))
+
+
+def test_mode_alphas_and_layouts():
+    assert common.mode_alphas("w4a8_int4", 512, 256) is None and common.mode_alphas("w4a16_int4", 512, 256) is None
+    a16, a4 = common.mode_alphas("w4a16", 512, 256), common.mode_alphas("w4a4", 512, 256)
+    assert all(a > 0 for a in a16 + a4 + common.mode_alphas("w4a8", 512, 256))
+    w_rms = common.E2M1_RMS * common.SCALE_RMS["e4m3"]
+    assert a16 == pytest.approx((1 / (w_rms * np.sqrt(512)), 1 / (w_rms * np.sqrt(256))))
+    assert a4[1] == pytest.approx(a16[1] / common.W4A4_FC2_INPUT_SCALE)  # GEMM2 sees the encoded intermediate
+    assert common.mode_gate_up_layout("w4a8_int4", 256) == "gate_up"
+    assert common.mode_gate_up_layout("w4a4", 256) == "up_gate_interleaved64"
+    assert common.mode_gate_up_layout("w4a8", 2880 + 32) == "gate_up"
+
+
+def test_output_file_names():
+    assert moe.output_stem("2026-12-01", "NVIDIA H200", "w4a8_int4") == "2026-12-01_nvidia_h200_moe"
+    assert moe.output_stem("2026-12-01", "NVIDIA H200", "w4a4") == "2026-12-01_nvidia_h200_moe_w4a4"
+    assert moe.output_stem("2026-12-01", "cpu dry run", "w4a16_int4") == "2026-12-01_cpu_dry_run_moe_w4a16_int4"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,6 +330,187 @@ def test_cli_bench_moe(tmp_path, capsys):
     if not cli._gpu_available():
         assert cli.main(["bench", "moe", "--models", "mixtral_8x7b"]) == 2
         assert "--dry-run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["w4a8_int4", "w4a16_int4", "w4a16", "w4a8", "w4a4"])
+def test_dry_run_per_mode(mode, tmp_path, capsys):
+    out = tmp_path / "results"
+    rc = moe.main(["--dry-run", "--quant-mode", mode, "--models", "qwen3_30b_a3b,gpt_oss_120b", "--tokens", "1,3",
+                   "--out-dir", str(out), "--peers", PEER_COPY, "--no-torch-peers"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert f"# qmoe fused MoE layer ({mode})" in printed
+    suffix = "" if mode == "w4a8_int4" else "_" + mode
+    names = sorted(os.listdir(out))
+    assert [n.split("_", 1)[1] for n in names] == [f"cpu_dry_run_moe{suffix}.json", f"cpu_dry_run_moe{suffix}.md"]
+    data = json.load(open(next(out.glob("*.json"))))
+    assert data["quant_mode"] == mode and data["dry_run"] and len(data["rows"]) == 4
+    args = moe._parse_args(["--dry-run"])
+    for r in data["rows"]:
+        assert r["quant_mode"] == mode and r["M"] == r["T"] * r["topk"]
+        _, _, h, i = moe.model_dims(r["model"], args)
+        assert (r["H"], r["I"]) == (h, i)
+        # the floor is the mode's: recomputed from the row's experts hit it agrees (bytes depend on M and hit)
+        g1 = common.gemm_floor(r["experts_hit"], r["M"], 2 * i, h, 4.2, 1.0, mode)["bytes"]
+        assert r["gemm1"]["bytes"] == g1
+        assert r["rate"] == common.QUANT_MODES[mode][2]
+    oss = [r for r in data["rows"] if r["model"] == "gpt_oss_120b"]
+    if mode.endswith("int4"):
+        assert all(r["errors"]["qmoe_det_eager_us"] == "K % 128 != 0" for r in oss)
+    elif importlib.util.find_spec("torch") is None:
+        assert all(r["errors"]["qmoe_det_eager_us"] == "no torch" for r in oss)
+    else:  # the FP4 modes run gpt-oss (shrunk H = I = 320) on the CPU engine
+        assert all(r["qmoe_finite"] and r["qmoe_det_eager_us"] > 0 for r in oss)
+    if importlib.util.find_spec("torch") is not None:
+        q = [r for r in data["rows"] if r["model"] == "qwen3_30b_a3b"]
+        assert all(r["qmoe_finite"] and r["qmoe_det_vs_fused_rel_rms"] < 2e-2 for r in q)
+        assert any(f"Check: qmoe {mode} on cpu vs the CPU engine" in line and "rel_rms 0.0e+00" in line
+                   for line in printed.splitlines())
+
+
+def test_dry_run_two_modes_share_the_torch_columns(tmp_path, capsys):
+    out = tmp_path / "r"
+    rc = moe.main(["--dry-run", "--quant-mode", "w4a4,w4a8_int4", "--models", "mixtral_8x7b", "--tokens", "2",
+                   "--out-dir", str(out), "--peers", ""])
+    assert rc == 0
+    names = sorted(os.listdir(out))
+    assert len(names) == 4 and names[0].endswith("_moe.json") and names[2].endswith("_moe_w4a4.json")
+    printed = capsys.readouterr().out
+    assert printed.index("(w4a8_int4)") < printed.index("(w4a4)")  # run order: w4a8_int4 first
+    int4, fp4 = (json.load(open(out / n))["rows"][0] for n in (names[0], names[2]))
+    assert int4["floor_us"] != fp4["floor_us"]
+    torch_keys = {k: v for k, v in int4.items() if k.startswith("torch_")}
+    assert torch_keys == {k: v for k, v in fp4.items() if k.startswith("torch_")}
+    assert moe.torch_columns(int4) == moe.torch_columns(fp4)
+
+
+def test_mode_header_names_the_formats_and_rate():
+    args = moe._parse_args(["--dry-run"])
+    head = "\n".join(moe.mode_header("w4a8_int4", "gpu", "day", "ceilings", args, {}, None, ["ok"]))
+    assert ("floor us = sum over GEMM1 and GEMM2 of max(bytes / copy, FLOPs / fp8 rate); bytes = int4 weights + bf16 "
+            "scales of the experts hit + e4m3 activations + bf16 output.") in head
+    assert "static a1 = amax(x)/448, a2 = 8/448" in head and "Check: ok" in head
+    head = "\n".join(moe.mode_header("w4a16", "gpu", "day", "ceilings", args, {}, None, []))
+    assert "(w4a16)" in head and "FLOPs / bf16 rate" in head and "NVFP4 weights + e4m3 scales per 16" in head
+    head = "\n".join(moe.mode_header("w4a4", "gpu", "day", "ceilings", args, {}, None, []))
+    assert "FLOPs / fp8 rate" in head and "NVFP4 activations" in head and "interleaved" in head
+
+
+# ------------------------------------------------------------------------------------------------
+# fail soft: a mode that raises, an unusable CUDA context (no torch needed: fakes)
+# ------------------------------------------------------------------------------------------------
+class _Timer:
+    def __init__(self, broken=None):
+        self.reason, self.freed = broken, 0
+
+    def broken(self):
+        return self.reason
+
+    def free(self):
+        self.freed += 1
+
+
+def test_a_mode_that_raises_shows_na_and_the_run_goes_on(monkeypatch, capsys):
+    args = moe._parse_args(["--dry-run", "--models", "qwen3_30b_a3b,gpt_oss_120b", "--tokens", "1,4"])
+    seen = []
+
+    def bench_model(torch, model, args, ceilings, peers, timer, device, mode, torch_cache):
+        seen.append(model)
+        raise RuntimeError("qmoe: w4a16 pipeline not built")
+
+    monkeypatch.setattr(moe, "bench_model", bench_model)
+    cache = {("qwen3_30b_a3b", 1): {"torch_bf16_graph_us": 12.5, "errors": {"torch_fp8_graph_us": "OOM"}}}
+    timer = _Timer()
+    rows = moe.run_mode(object(), "w4a16", args, dict(moe.NOMINAL_CEILINGS), {}, timer, "cpu", cache,
+                        dict(broken=None))
+    assert seen == ["qwen3_30b_a3b", "gpt_oss_120b"] and timer.freed == 2 and len(rows) == 4
+    for r in rows:
+        assert r["errors"]["qmoe_fused_graph_us"] == "RuntimeError: qmoe: w4a16 pipeline not built"
+        assert r["floor_us"] > 0 and r["quant_mode"] == "w4a16"
+    assert rows[0]["torch_bf16_graph_us"] == 12.5 and rows[0]["errors"]["torch_fp8_graph_us"] == "OOM"  # cached
+    assert rows[1]["errors"]["torch_bf16_graph_us"].startswith("RuntimeError")                         # not cached
+    assert "failed (RuntimeError: qmoe: w4a16 pipeline not built)" in capsys.readouterr().out
+    text = moe.markdown(rows, [])
+    assert "n/a: qmoe: w4a16 pipeline not built" in text
+
+
+def test_an_unusable_cuda_context_stops_further_work(monkeypatch):
+    args = moe._parse_args(["--dry-run", "--models", "qwen3_30b_a3b,gpt_oss_120b", "--tokens", "2"])
+    monkeypatch.setattr(moe, "bench_model", lambda *a, **k: pytest.fail("must not run after CUDA broke"))
+    state = dict(broken=None)
+    rows = moe.run_mode(object(), "w4a8", args, dict(moe.NOMINAL_CEILINGS), {}, _Timer("RuntimeError: illegal address"),
+                        "cuda", {}, state)
+    assert state["broken"] == "RuntimeError: illegal address"
+    unusable = "CUDA unusable after an earlier error: RuntimeError: illegal address"
+    assert all(r["errors"]["qmoe_det_eager_us"] == unusable for r in rows)
+    # the int4 modes keep their own reason for gpt-oss
+    rows = moe.run_mode(object(), "w4a16_int4", args, dict(moe.NOMINAL_CEILINGS), {}, _Timer(), "cuda", {}, state)
+    assert rows[1]["errors"]["qmoe_det_eager_us"] == "K % 128 != 0"
+    assert rows[0]["errors"]["torch_fp8_graph_us"].startswith("CUDA unusable")
+
+
+def test_torch_columns_round_trip():
+    row = dict(T=3, floor_us=2.0, torch_bf16_graph_us=4.0, torch_bf16_weight_sets=3, torch_fp8_finite=True)
+    moe.set_error(row, "torch_fp8_graph_us", "boom")
+    moe.set_error(row, "qmoe_det_graph_us", "other")
+    cols = moe.torch_columns(row)
+    assert cols == dict(torch_bf16_graph_us=4.0, torch_bf16_weight_sets=3, torch_fp8_finite=True,
+                        errors={"torch_fp8_graph_us": "boom"})
+    other = dict(T=3, errors={"qmoe_det_graph_us": "x"})
+    moe.merge_torch_columns(other, cols)
+    assert other["torch_bf16_graph_us"] == 4.0 and other["errors"] == {"qmoe_det_graph_us": "x",
+                                                                      "torch_fp8_graph_us": "boom"}
+
+
+# ------------------------------------------------------------------------------------------------
+# every mode's random data through qmoe's CPU engine; the torch peers once per (model, T) (torch on the CPU)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["w4a8_int4", "w4a16_int4", "w4a16", "w4a8", "w4a4"])
+def test_mode_data_runs_on_the_cpu_engine(mode):
+    torch = pytest.importorskip("torch")
+    import qmoe
+
+    gen = torch.Generator().manual_seed(7)
+    experts, topk, hidden, inter, tokens = 6, 2, 512, 256, 9
+    w = moe.make_qmoe_weights(torch, experts, hidden, inter, gen, "cpu", mode)
+    act = common.make_mode_activations(torch, mode, tokens, hidden, gen, "cpu")
+    for name, (shape, dtype) in moe.qmoe_weight_shapes(experts, hidden, inter, mode).items():
+        assert tuple(w[name].shape) == shape and str(w[name].dtype) == "torch." + dtype, name
+    if not mode.endswith("int4"):
+        code = "e4m3" if mode in ("w4a16", "w4a4") else "ue8m0"
+        lo, hi = common.SCALE_CODES[code]
+        for name in ("w1_scale", "w2_scale"):
+            assert int(w[name].min()) >= lo and int(w[name].max()) <= hi, name
+        assert w["w1_alpha"].shape == (experts,) and w["w1_alpha"].dtype == torch.float32
+    expect_x = {"w4a4": (torch.uint8, (tokens, hidden // 2)), "w4a8": (torch.float8_e4m3fn, (tokens, hidden))}
+    dtype, shape = expect_x.get(mode, (torch.bfloat16, (tokens, hidden)))
+    assert act["x"].dtype == dtype and tuple(act["x"].shape) == shape
+    ids = common.routing(torch, tokens, topk, experts, gen, device="cpu")
+    wts = moe._routing_weights(torch, tokens, topk, gen, "cpu")
+    out = qmoe.fused_moe(**w, **act, topk_ids=ids, topk_weights=wts, quant_mode=mode, num_experts=experts,
+                         gate_up_layout=common.mode_gate_up_layout(mode, inter), deterministic=True).float()
+    rms = float(out.pow(2).mean().sqrt())
+    assert bool(torch.isfinite(out).all()) and 0.05 < rms < 20, rms  # O(1): the alphas / scales are sane
+
+
+def test_torch_peers_measured_once_per_model_and_tokens(monkeypatch):
+    torch = pytest.importorskip("torch")
+    calls = []
+
+    def fake_torch_bench(torch, ctx, rows, routes, args, timer, kind):
+        calls.append((ctx[0], kind, tuple(r["T"] for r in rows)))
+        for r in rows:
+            r[f"torch_{kind}_graph_us"] = 100.0 + r["T"]
+
+    monkeypatch.setattr(moe, "_bench_torch", fake_torch_bench)
+    monkeypatch.setattr(moe, "_bench_qmoe", lambda *a, **k: None)
+    args = moe._parse_args(["--dry-run", "--models", "mixtral_8x7b", "--tokens", "1,3", "--quant-mode", "all"])
+    cache = {}
+    for mode in args.quant_mode:
+        rows = moe.bench_model(torch, "mixtral_8x7b", args, dict(moe.NOMINAL_CEILINGS), {}, moe.HostTimer(), "cpu",
+                               mode, cache)
+        assert [r["torch_fp8_graph_us"] for r in rows] == [101.0, 103.0]
+    assert calls == [(8, "bf16", (1, 3)), (8, "fp8", (1, 3))]
 
 
 # ------------------------------------------------------------------------------------------------

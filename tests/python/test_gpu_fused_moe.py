@@ -362,8 +362,3 @@ def test_workspace_size_and_errors():
     torch.cuda.synchronize()
     assert torch.isfinite(out.float()).all()
 
-
-def test_other_quant_modes_raise_on_gpu():
-    case = on_device(testing.make_fused_moe_case("w4a16_int4", 3, 256, 128, 8, 2, seed=26))
-    with pytest.raises(Exception, match="not available on the GPU"):
-        run_gpu(case)

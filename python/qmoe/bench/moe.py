@@ -1,19 +1,29 @@
-"""`qmoe bench moe`: the whole w4a8_int4 MoE layer (qmoe.fused_moe) at model shapes (DESIGN.md 8).
+"""`qmoe bench moe`: the whole MoE layer (qmoe.fused_moe) at model shapes (DESIGN.md 8), for each
+--quant-mode (w4a8_int4 by default; w4a16_int4, w4a16, w4a8, w4a4 or all).
 
-For each model (E, top-k, H, I) and token count T: uniform random routing (top-k distinct experts
-per token, softmax weights), bf16 x [T, H], static a1 = amax(x)/448 and a2 = 8/448 (or dynamic
-scales with --dynamic-scales). Per row:
+For each quant mode, model (E, top-k, H, I) and token count T: uniform random routing (top-k
+distinct experts per token, softmax weights) and random data of the mode made on the GPU
+(common.make_mode_weights / make_mode_activations): w4a8_int4 bf16 x [T, H] with static
+a1 = amax(x)/448 and a2 = 8/448 (or dynamic scales with --dynamic-scales); w4a16_int4 and w4a16
+bf16 x; w4a8 e4m3 x + ue8m0 scales [T, H/32]; w4a4 fp4x2 x [T, H/2] + e4m3 scales [T, H/16] and
+fc2_input_scale. FP4 weights are random codes with e4m3 (NVFP4, 2^-3..2^3) or ue8m0 (MXFP4,
+2^-8..2^0) scale bytes in the 128x4 swizzle, with per-expert alphas that keep the output O(1);
+gate/up [gate; up] for the int4 modes, FlashInfer's 64-row interleave for the FP4 modes. Per row:
   - qmoe.fused_moe with the deterministic and the fused (default) finalize, each timed eagerly
     (CUDA events around the Python call, started from an idle GPU, median) and as a CUDA-graph
     replay (calls captured with preallocated out= and fixed inputs, median of replays);
   - the floor: sum over GEMM1 (N = 2I, K = H) and GEMM2 (N = H, K = I) of
-    max(bytes / copy bandwidth, FLOPs / dense fp8 rate), bytes = int4 weights + bf16 scales of the
-    experts hit + e4m3 activations [M, K] + bf16 output [M, N], FLOPs = 2 M N K, M = T * top-k
-    (common.gemm_floor; ceilings measured once at the start, as `qmoe bench gemm` does);
+    max(bytes / copy bandwidth, FLOPs / dense rate), bytes = 4-bit weights + block scales of the
+    experts hit (int4: bf16 per 128; NVFP4: a byte per 16; MXFP4: a byte per 32) + the mode's
+    activation operand [M, K] (e4m3; bf16; MXFP8 = e4m3 + a byte per 32; NVFP4 = half a byte + a
+    byte per 16) + bf16 output [M, N], FLOPs = 2 M N K, M = T * top-k; the rate is the dense fp8
+    one for w4a8_int4, w4a8 and w4a4, the dense bf16 one for w4a16 and w4a16_int4
+    (common.QUANT_MODES, common.gemm_floor; ceilings measured once at the start: copy and
+    torch._scaled_mm fp8 as `qmoe bench gemm` does, torch.mm bf16 8192^3 when a bf16 mode runs);
   - a plain PyTorch MoE on the same routing (sort by expert, gather, GEMM1, SiLU(gate) * up,
     GEMM2, weighted top-k sum) with torch._grouped_mm (bf16 weights) and torch._scaled_grouped_mm
     (e4m3 weights, per-channel weight scales, per-row dynamic activation scales,
-    use_fast_accum=True), timed as graph replays;
+    use_fast_accum=True), timed as graph replays, once per (model, T), shown in every mode's table;
   - vLLM's Triton fused MoE graph times (bf16, fp8, int4 w4a16) for the same (model, T) from the
     peer file bench/peers/2026-11-30_h200_vllm_triton_moe.json (another run, same GPU model).
 What is rotated out of L2: every implementation cycles over several weight sets, each with its
@@ -22,17 +32,21 @@ Sets are added until the bytes one call touches times (sets - 1) exceed --rotate
 --max-weight-gb (DeepSeek-V3 at T = 1: 3 int4 sets of 5.6 GB; at large T every call touches
 the whole set, which is far beyond L2 by itself). A graph holds one call per set; its replay
 time is divided by the number of sets. Eager sample i uses set i mod sets.
-int4-g128 needs H and I to be multiples of 128: gpt-oss-120b (H = I = 2880) gets "n/a" for qmoe.
+int4-g128 needs H and I to be multiples of 128: gpt-oss-120b (H = I = 2880) gets "n/a" for qmoe in
+the int4 modes; the FP4 modes need multiples of 32 (the GPU GEMM's K step) and run it.
+Modes run one after another in the order of common.QUANT_MODES (w4a8_int4 first): a mode whose
+GPU path raises shows "n/a" with the reason in its rows; after an error that leaves the CUDA
+context unusable, everything later shows that error (run new modes in their own process).
 --dry-run needs no GPU: nominal ceilings, shapes shrunk by --shrink, qmoe and the torch peers run
 once on the CPU when torch is installed (graph times n/a), floors, table and files as on the GPU.
-Output: markdown on stdout; <out-dir>/<date>_<gpu>_moe.{md,json}.
+Output: markdown on stdout; one table per mode in <out-dir>/<date>_<gpu>_moe[_<mode>].{md,json}
+(w4a8_int4: no suffix).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import sys
@@ -40,6 +54,9 @@ import time
 
 from . import common
 from .common import fmt, norm
+# The plain PyTorch MoE peer lives in common (re-exported: tests and callers use these names).
+from .common import loop_grouped_mm, make_bf16_weights, make_fp8_weights, torch_moe_bf16, torch_moe_fp8  # noqa: F401
+from .common import sort_by_expert as _sort_by_expert  # noqa: F401
 
 DEFAULT_MODELS = ("deepseek_v3", "qwen3_30b_a3b", "mixtral_8x7b", "qwen3_235b_a22b", "gpt_oss_120b")
 DEFAULT_TOKENS = (1, 8, 64, 512, 4096)
@@ -47,9 +64,12 @@ DRY_RUN_TOKENS = (1, 8, 64)
 FINALIZES = {"det": True, "fused": False}  # name -> qmoe.fused_moe(deterministic=...)
 PEER_FILE = "2026-11-30_h200_vllm_triton_moe.json"
 PEER_FORMATS = ("bf16", "fp8", "int4")
-# Used only by --dry-run (no GPU to measure): the H200 ceilings of the 2026-11-30 GEMM run.
-NOMINAL_CEILINGS = dict(copy_tbps=4.20, fp8_tflops=1550.0)
-A2_STATIC = 8.0 / 448  # static a2 for an |act| bound of 8 (qmoe.testing's choice)
+MODES = tuple(common.QUANT_MODES)  # run order
+DEFAULT_MODE = "w4a8_int4"
+# Used only by --dry-run (no GPU to measure): the H200 ceilings of the 2026-11-30 GEMM run (bf16:
+# about half the fp8 rate, not measured there).
+NOMINAL_CEILINGS = dict(copy_tbps=4.20, fp8_tflops=1550.0, bf16_tflops=770.0)
+A2_STATIC = common.W4A8_INT4_A2  # static a2 for an |act| bound of 8 (qmoe.testing's choice)
 QMOE_KEYS = tuple(f"qmoe_{f}_{how}_us" for f in FINALIZES for how in ("eager", "graph"))
 TORCH_KEYS = ("torch_bf16_graph_us", "torch_fp8_graph_us")
 
@@ -60,6 +80,8 @@ def _parse_args(argv):
     p = argparse.ArgumentParser(prog="qmoe bench moe", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help="comma list of " + ", ".join(testing.MODEL_SHAPES) + " (default: %(default)s)")
+    p.add_argument("--quant-mode", default=DEFAULT_MODE,
+                   help="comma list of " + ", ".join(MODES) + ", or all (default: %(default)s); they run in this order")
     p.add_argument("--tokens", default=None, help="comma list of T (default " + ",".join(map(str, DEFAULT_TOKENS))
                    + "; dry run " + ",".join(map(str, DRY_RUN_TOKENS)) + ")")
     p.add_argument("--finalize", default="det,fused", help="det (deterministic) and/or fused (default: both)")
@@ -70,7 +92,8 @@ def _parse_args(argv):
     p.add_argument("--rotate-mb", type=float, default=256.0,
                    help="bytes touched between two uses of a weight set, at least (L2 is 50-60 MB)")
     p.add_argument("--max-weight-gb", type=float, default=40.0, help="cap on the memory of one implementation's sets")
-    p.add_argument("--dynamic-scales", action="store_true", help="qmoe: dynamic a1 and a2 instead of static")
+    p.add_argument("--dynamic-scales", action="store_true",
+                   help="qmoe w4a8_int4: dynamic a1 and a2 instead of static (the other modes take no such choice)")
     p.add_argument("--no-torch-peers", action="store_true", help="skip the torch._grouped_mm MoE peers")
     p.add_argument("--peers", default=common.peer_path(PEER_FILE, "QMOE_VLLM_PEERS"),
                    help="vLLM peer measurement JSON ('' to skip; default $QMOE_VLLM_PEERS or the shared/bench copy)")
@@ -86,6 +109,13 @@ def _parse_args(argv):
     if unknown:
         p.error(f"unknown model(s) {unknown}; known: {list(testing.MODEL_SHAPES)}")
     args.models = [by_norm[norm(m)] for m in args.models]
+    asked = [m.strip() for m in args.quant_mode.split(",") if m.strip()]
+    if asked == ["all"]:
+        asked = list(MODES)
+    bad = [m for m in asked if m not in MODES]
+    if not asked or bad:
+        p.error(f"--quant-mode: unknown {bad or asked}; expected a comma list of {', '.join(MODES)} or all")
+    args.quant_mode = [m for m in MODES if m in asked]  # run order, duplicates dropped
     if args.tokens is None:
         args.tokens = list(DRY_RUN_TOKENS if args.dry_run else DEFAULT_TOKENS)
     else:
@@ -108,7 +138,8 @@ def _parse_args(argv):
 # ------------------------------------------------------------------------------------------------
 def _shrink_dim(d: int, s: int) -> int:
     """d / s rounded up to a multiple of 128; a dim that is not a multiple of 128 stays one
-    (an odd multiple of 64), so the dry run keeps gpt-oss's n/a path."""
+    (an odd multiple of 64), so the dry run keeps gpt-oss's n/a path in the int4 modes while its
+    FP4 modes (multiples of 32, and of 64 for the gate/up interleave) still run."""
     if s == 1:
         return d
     base = max(128, -(-d // s // 128) * 128 if d // s >= 128 else 128)
@@ -125,27 +156,39 @@ def model_dims(model: str, args) -> tuple:
     return experts, topk, hidden, inter
 
 
-def qmoe_unsupported(hidden: int, inter: int):
-    """Why qmoe's int4-g128 format cannot run these dims (None when it can)."""
-    return "K % 128 != 0" if hidden % 128 or inter % 128 else None
+def qmoe_unsupported(hidden: int, inter: int, mode: str = DEFAULT_MODE):
+    """Why qmoe cannot run these dims in `mode` (None when it can): the int4 group is 128 along K;
+    the FP4 modes' GPU GEMM steps K by 32 (src/api/fused_moe.cpp, check_gpu_limits)."""
+    if common.QUANT_MODES[mode][0] == "int4_g128":
+        return "K % 128 != 0" if hidden % 128 or inter % 128 else None
+    return "K % 32 != 0" if hidden % 32 or inter % 32 else None
 
 
-def moe_floor(counts, topk: int, hidden: int, inter: int, copy_tbps: float, fp8_tflops: float) -> dict:
-    """Per-GEMM floors (common.gemm_floor) and their sum for one routing; counts = rows per expert."""
+def moe_floor(counts, topk: int, hidden: int, inter: int, copy_tbps: float, fp8_tflops: float,
+              mode: str = DEFAULT_MODE, bf16_tflops: float = None) -> dict:
+    """Per-GEMM floors (common.gemm_floor in `mode`'s formats, against the dense rate
+    common.QUANT_MODES names for it) and their sum for one routing; counts = rows per expert."""
+    rate = common.QUANT_MODES[mode][2]
+    tflops = fp8_tflops if rate == "fp8" else bf16_tflops
+    if tflops is None:
+        raise ValueError(f"moe_floor: quant mode {mode} needs the dense {rate} rate (bf16_tflops)")
     rows = int(sum(counts))
     hit = int(sum(1 for c in counts if c))
-    g1 = common.gemm_floor(hit, rows, 2 * inter, hidden, copy_tbps, fp8_tflops)
-    g2 = common.gemm_floor(hit, rows, hidden, inter, copy_tbps, fp8_tflops)
+    g1 = common.gemm_floor(hit, rows, 2 * inter, hidden, copy_tbps, tflops, mode)
+    g2 = common.gemm_floor(hit, rows, hidden, inter, copy_tbps, tflops, mode)
     return dict(M=rows, experts_hit=hit, gemm1=g1, gemm2=g2, floor_us=g1["floor_us"] + g2["floor_us"],
-                bytes=g1["bytes"] + g2["bytes"], flops=g1["flops"] + g2["flops"])
+                bytes=g1["bytes"] + g2["bytes"], flops=g1["flops"] + g2["flops"], rate=rate, rate_tflops=tflops)
 
 
-def qmoe_weight_shapes(experts: int, hidden: int, inter: int) -> dict:
-    """Shapes and dtypes of the w4a8_int4 weights (as qmoe.testing.make_fused_moe_case makes them)."""
-    return {"w1": ((experts, 2 * inter, hidden // 2), "int8"),
-            "w1_scale": (common.scale_shape(experts, 2 * inter, hidden), "bfloat16"),
-            "w2": ((experts, hidden, inter // 2), "int8"),
-            "w2_scale": (common.scale_shape(experts, hidden, inter), "bfloat16")}
+def qmoe_weight_shapes(experts: int, hidden: int, inter: int, mode: str = DEFAULT_MODE) -> dict:
+    """Shapes and storage dtypes of a mode's weights (common.mode_weight_shapes; int4 modes as
+    qmoe.testing.make_fused_moe_case makes them, FP4 modes as uint8 storage of its arrays)."""
+    return common.mode_weight_shapes(mode, experts, hidden, inter)
+
+
+def output_stem(date: str, gpu: str, mode: str) -> str:
+    """<date>_<gpu>_moe for w4a8_int4 (the name before modes existed), <date>_<gpu>_moe_<mode> else."""
+    return f"{date}_{norm(gpu)}_moe" + ("" if mode == DEFAULT_MODE else f"_{mode}")
 
 
 def load_vllm_peers(path):
@@ -230,79 +273,6 @@ def write_outputs(out_dir: str, stem_name: str, table: str, payload: dict) -> st
 
 
 # ------------------------------------------------------------------------------------------------
-# the plain PyTorch MoE peer (any device; the grouped GEMMs can be swapped for tests)
-# ------------------------------------------------------------------------------------------------
-def _sort_by_expert(torch, ids, experts):
-    """(token of each expert-sorted row, order = flat slot of each row, group ends int32 [E])."""
-    k = ids.shape[1]
-    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
-    ends = torch.searchsorted(sorted_ids, torch.arange(experts, device=ids.device, dtype=sorted_ids.dtype), right=True)
-    return order // k, order, ends.to(torch.int32)
-
-
-def _combine(torch, y, order, wts):
-    """out[t] = sum_j wts[t, j] * y[row of slot (t, j)] (rows back to slot order, then a top-k sum)."""
-    tokens, k = wts.shape
-    by_slot = torch.empty_like(y).index_copy_(0, order, y)
-    return (by_slot.view(tokens, k, -1) * wts.to(y.dtype).unsqueeze(-1)).sum(dim=1)
-
-
-def _quantize_rows(torch, v):
-    """Dynamic per-row e4m3: (q [R, K], scale fp32 [R]) with v ~ q * scale."""
-    scale = v.abs().amax(dim=1).float().clamp(min=1e-12) / 448.0
-    return (v.float() / scale.unsqueeze(1)).to(torch.float8_e4m3fn), scale
-
-
-def torch_moe_bf16(torch, x, ids, wts, w13, w2, grouped_mm=None):
-    """Plain MoE in bf16: w13 [E, 2I, H] (gate rows first), w2 [E, H, I]."""
-    mm = grouped_mm or torch._grouped_mm
-    inter = w2.shape[2]
-    tok, order, ends = _sort_by_expert(torch, ids, w13.shape[0])
-    h = mm(x.index_select(0, tok), w13.transpose(-2, -1), offs=ends)
-    a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
-    return _combine(torch, mm(a, w2.transpose(-2, -1), offs=ends), order, wts)
-
-
-def torch_moe_fp8(torch, x, ids, wts, w13, s13, w2, s2, scaled_grouped_mm=None):
-    """Plain MoE in fp8: e4m3 w13 [E, 2I, H] and w2 [E, H, I] with fp32 per-channel scales s13
-    [E, 2I], s2 [E, H]; activations quantized per row (x before the gather, the SiLU*up output
-    before GEMM2)."""
-    mm = scaled_grouped_mm or torch._scaled_grouped_mm
-    inter = w2.shape[2]
-    tok, order, ends = _sort_by_expert(torch, ids, w13.shape[0])
-    xq, xs = _quantize_rows(torch, x)
-    aq = xq.view(torch.uint8).index_select(0, tok).view(torch.float8_e4m3fn)  # gather as bytes
-    h = mm(aq, w13.transpose(-2, -1), xs.index_select(0, tok), s13, offs=ends, out_dtype=torch.bfloat16,
-           use_fast_accum=True)
-    a8, sa = _quantize_rows(torch, torch.nn.functional.silu(h[:, :inter]) * h[:, inter:])
-    y = mm(a8, w2.transpose(-2, -1), sa, s2, offs=ends, out_dtype=torch.bfloat16, use_fast_accum=True)
-    return _combine(torch, y, order, wts)
-
-
-def loop_grouped_mm(torch):
-    """A per-group matmul loop with torch._grouped_mm's and _scaled_grouped_mm's meaning
-    (a [M, K] rows grouped by ends, b [E, K, N]); the reference the peer check compares with."""
-    def grouped(a, b, offs):
-        out = torch.empty((a.shape[0], b.shape[2]), dtype=torch.bfloat16, device=a.device)
-        start = 0
-        for e, end in enumerate(offs.tolist()):
-            out[start:end] = (a[start:end].float() @ b[e].float()).to(torch.bfloat16)
-            start = end
-        return out
-
-    def scaled(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum=True):
-        out = torch.empty((a.shape[0], b.shape[2]), dtype=out_dtype, device=a.device)
-        start = 0
-        for e, end in enumerate(offs.tolist()):
-            acc = a[start:end].float() @ b[e].float()
-            out[start:end] = (acc * scale_a[start:end].unsqueeze(1) * scale_b[e].unsqueeze(0)).to(out_dtype)
-            start = end
-        return out
-
-    return grouped, scaled
-
-
-# ------------------------------------------------------------------------------------------------
 # data on the device
 # ------------------------------------------------------------------------------------------------
 def _routing_weights(torch, tokens, topk, gen, device):
@@ -310,34 +280,10 @@ def _routing_weights(torch, tokens, topk, gen, device):
     return torch.softmax(logits, dim=1).float().contiguous()
 
 
-def make_qmoe_weights(torch, experts, hidden, inter, gen, device):
-    """Random int4 codes and bf16 group scales around 1/(4.6 sqrt(K)) (qmoe.testing's recipe)."""
-    out = {}
-    for name, (shape, dtype) in qmoe_weight_shapes(experts, hidden, inter).items():
-        if dtype == "int8":
-            out[name] = torch.randint(-128, 128, shape, dtype=torch.int8, device=device, generator=gen)
-        else:
-            k = hidden if name == "w1_scale" else inter
-            s = torch.rand(shape, device=device, generator=gen).add_(0.5).mul_(1.0 / (4.6 * math.sqrt(k)))
-            out[name] = s.to(torch.bfloat16)
-    return out
-
-
-def make_bf16_weights(torch, experts, hidden, inter, gen, device):
-    w13 = torch.randn((experts, 2 * inter, hidden), device=device, generator=gen, dtype=torch.bfloat16)
-    w2 = torch.randn((experts, hidden, inter), device=device, generator=gen, dtype=torch.bfloat16)
-    return w13.mul_(1.0 / math.sqrt(hidden)), w2.mul_(1.0 / math.sqrt(inter))
-
-
-def make_fp8_weights(torch, experts, hidden, inter, gen, device):
-    """e4m3 weights (cast one expert at a time: no full-size bf16 temporary) and scales ~ 1/sqrt(K)."""
-    out = []
-    for n, k in ((2 * inter, hidden), (hidden, inter)):
-        w = torch.empty((experts, n, k), device=device, dtype=torch.float8_e4m3fn)
-        for e in range(experts):
-            w[e] = torch.randn((n, k), device=device, generator=gen, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-        out += [w, torch.rand((experts, n), device=device, generator=gen).add_(0.75).mul_(1.0 / math.sqrt(k))]
-    return tuple(out)
+def make_qmoe_weights(torch, experts, hidden, inter, gen, device, mode=DEFAULT_MODE):
+    """Random weights of `mode` on `device` (common.make_mode_weights; int4: random codes and bf16
+    group scales around 1/(4.6 sqrt(K)), qmoe.testing's recipe)."""
+    return common.make_mode_weights(torch, mode, experts, hidden, inter, gen, device)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -364,6 +310,15 @@ class CudaTimer:
         except Exception:
             pass
 
+    def broken(self):
+        """None while CUDA works, else the reason: a sticky error (an illegal address in a kernel)
+        makes every later CUDA call fail, so nothing more is tried once it is seen."""
+        try:
+            self.torch.cuda.synchronize()
+            return None
+        except Exception as e:
+            return _reason(e)
+
 
 class HostTimer:
     """Dry run: each call runs once (it is not a measurement); graphs are unavailable."""
@@ -384,6 +339,9 @@ class HostTimer:
 
     def free(self):
         pass
+
+    def broken(self):
+        return None
 
 
 def _measure(row, key, fn):
@@ -419,25 +377,26 @@ def _set_count(touched_bytes, set_bytes, args) -> int:
     return min(n, 2) if args.dry_run else n
 
 
-def _bench_qmoe(torch, ctx, rows, routes, args, timer):
+def _bench_qmoe(torch, ctx, rows, routes, args, timer, mode=DEFAULT_MODE):
     import qmoe
 
     experts, topk, hidden, inter, device, gen = ctx
-    set_bytes = experts * (common.int4_weight_bytes(1, 2 * inter, hidden) + common.int4_weight_bytes(1, hidden, inter))
-    pool = _Pool(lambda: make_qmoe_weights(torch, experts, hidden, inter, gen, device))
+    wfmt = common.QUANT_MODES[mode][0]
+    set_bytes = experts * (common.weight_bytes(wfmt, 1, 2 * inter, hidden)
+                           + common.weight_bytes(wfmt, 1, hidden, inter))
+    pool = _Pool(lambda: make_qmoe_weights(torch, experts, hidden, inter, gen, device, mode))
+    layout = common.mode_gate_up_layout(mode, inter)
     for row in rows:
         ids, wts = routes[row["T"]]
         try:
             n_sets = _set_count(row["bytes"], set_bytes, args)
             row["qmoe_weight_sets"] = n_sets
+            row["gate_up_layout"] = layout
             kwargs = []
             for w in pool.take(n_sets):
-                x = torch.randn((row["T"], hidden), device=device, generator=gen, dtype=torch.bfloat16)
-                kw = dict(w, x=x, topk_ids=ids, topk_weights=wts, quant_mode="w4a8_int4", num_experts=experts)
-                if not args.dynamic_scales:
-                    kw.update(x_scale=(x.abs().amax().float() / 448).reshape(1),
-                              fc2_input_scale=torch.full((1,), A2_STATIC, device=device))
-                kwargs.append(kw)
+                act = common.make_mode_activations(torch, mode, row["T"], hidden, gen, device, args.dynamic_scales)
+                kwargs.append(dict(w, **act, topk_ids=ids, topk_weights=wts, quant_mode=mode, num_experts=experts,
+                                   gate_up_layout=layout))
             outs = {f: [torch.empty((row["T"], hidden), device=device, dtype=torch.bfloat16) for _ in kwargs]
                     for f in args.finalize}
             # one checked call of each finalize on set 0 before timing
@@ -449,10 +408,8 @@ def _bench_qmoe(torch, ctx, rows, routes, args, timer):
                 d, u = first["det"], first["fused"]
                 row["qmoe_det_vs_fused_rel_rms"] = float((d - u).norm() / d.norm().clamp(min=1e-30))
             del first
-        except Exception as e:  # nothing to time for this row
-            for f in args.finalize:
-                for how in ("eager", "graph"):
-                    set_error(row, f"qmoe_{f}_{how}_us", _reason(e))
+        except Exception as e:  # nothing to time for this row (a mode whose GPU path raises lands here)
+            set_qmoe_errors(row, args.finalize, _reason(e))
             continue
         for f in args.finalize:
             calls = [lambda kw=kw, o=o, det=FINALIZES[f]: qmoe.fused_moe(**kw, deterministic=det, out=o)
@@ -509,9 +466,11 @@ def _reason(e: Exception) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
 
 
-def bench_model(torch, model, args, ceilings, peers, timer, device):
-    """All rows of one model (one per T): routing once per T, then qmoe, torch bf16, torch fp8,
-    each with its weight sets made once for the model."""
+def bench_model(torch, model, args, ceilings, peers, timer, device, mode=DEFAULT_MODE, torch_cache=None):
+    """All rows of one model in one quant mode (one per T): routing once per T (seeded by T, so
+    the same in every mode), then the torch peers bf16 and fp8 unless torch_cache {(model, T):
+    their columns} has them already (they are measured once per model and T, whatever the mode),
+    then qmoe in `mode`; each implementation's weight sets are made once for the model."""
     experts, topk, hidden, inter = model_dims(model, args)
     gen = torch.Generator(device=device)
     rows, routes = [], {}
@@ -520,29 +479,60 @@ def bench_model(torch, model, args, ceilings, peers, timer, device):
         ids = common.routing(torch, tokens, topk, experts, gen, device=device)
         routes[tokens] = (ids, _routing_weights(torch, tokens, topk, gen, device))
         counts = torch.bincount(ids.reshape(-1).long(), minlength=experts).tolist()
-        rows.append(floor_row(model, (experts, topk, hidden, inter), tokens, counts, ceilings, peers))
+        rows.append(floor_row(model, (experts, topk, hidden, inter), tokens, counts, ceilings, peers, mode))
     ctx = (experts, topk, hidden, inter, device, gen)
-    why = qmoe_unsupported(hidden, inter)
+    if not args.no_torch_peers:  # first: an error that breaks the CUDA context in a new mode keeps them
+        cache = {} if torch_cache is None else torch_cache
+        if any((model, r["T"]) not in cache for r in rows):
+            gen.manual_seed((1 << 40) + args.seed)  # apart from every routing seed
+            peer_rows = [dict(model=model, T=r["T"], experts_hit=r["experts_hit"]) for r in rows]
+            for kind in ("bf16", "fp8"):
+                _bench_torch(torch, ctx, peer_rows, routes, args, timer, kind)
+            cache.update({(model, r["T"]): torch_columns(r) for r in peer_rows})
+        for row in rows:
+            merge_torch_columns(row, cache[(model, row["T"])])
+    why = qmoe_unsupported(hidden, inter, mode)
     if why:
         for row in rows:
-            for f in args.finalize:
-                for how in ("eager", "graph"):
-                    set_error(row, f"qmoe_{f}_{how}_us", why)
+            set_qmoe_errors(row, args.finalize, why)
     else:
-        _bench_qmoe(torch, ctx, rows, routes, args, timer)
-    if not args.no_torch_peers:
-        for kind in ("bf16", "fp8"):
-            _bench_torch(torch, ctx, rows, routes, args, timer, kind)
+        gen.manual_seed((2 << 40) + args.seed * len(MODES) + MODES.index(mode))
+        _bench_qmoe(torch, ctx, rows, routes, args, timer, mode)
     return rows
 
 
-def floor_row(model, dims, tokens, counts, ceilings, peers) -> dict:
-    """A row with the shape, the routing's floor and the vLLM peer columns (no timings yet)."""
+def set_qmoe_errors(row: dict, finalizes, reason: str) -> None:
+    for f in finalizes:
+        for how in ("eager", "graph"):
+            set_error(row, f"qmoe_{f}_{how}_us", reason)
+
+
+def torch_columns(row: dict) -> dict:
+    """The torch peers' keys of a row and their errors: what every mode's row of (model, T) shares."""
+    cols = {k: v for k, v in row.items() if k.startswith("torch_")}
+    errors = {k: v for k, v in row.get("errors", {}).items() if k.startswith("torch_")}
+    if errors:
+        cols["errors"] = errors
+    return cols
+
+
+def merge_torch_columns(row: dict, cols: dict) -> None:
+    for k, v in cols.items():
+        if k == "errors":
+            for key, why in v.items():
+                set_error(row, key, why)
+        else:
+            row[k] = v
+
+
+def floor_row(model, dims, tokens, counts, ceilings, peers, mode=DEFAULT_MODE) -> dict:
+    """A row with the shape, the routing's floor in `mode` and the vLLM peer columns (no timings yet)."""
     from .. import testing
 
     experts, topk, hidden, inter = dims
-    row = dict(model=model, E=experts, topk=topk, H=hidden, I=inter, T=tokens,
-               **moe_floor(counts, topk, hidden, inter, ceilings["copy_tbps"], ceilings["fp8_tflops"]))
+    row = dict(model=model, quant_mode=mode, E=experts, topk=topk, H=hidden, I=inter, T=tokens,
+               **moe_floor(counts, topk, hidden, inter, ceilings["copy_tbps"], ceilings["fp8_tflops"], mode,
+                           ceilings.get("bf16_tflops")))
     add_peer_columns(row, peers, *testing.MODEL_SHAPES[model][2:])
     return row
 
@@ -559,20 +549,20 @@ def numpy_counts(tokens, topk, experts, seed):
 # ------------------------------------------------------------------------------------------------
 # checks run once before the table (reported in its header)
 # ------------------------------------------------------------------------------------------------
-def check_qmoe(torch, device) -> str:
-    """qmoe.fused_moe on `device` vs the C++ CPU engine on numpy, a small qmoe.testing case moved
-    to torch with the tests' conversion."""
+def check_qmoe(torch, device, mode=DEFAULT_MODE) -> str:
+    """qmoe.fused_moe in `mode` on `device` vs the C++ CPU engine on numpy, a small qmoe.testing
+    case moved to torch with the tests' conversion."""
     import qmoe
     from .. import testing
 
-    case = testing.make_fused_moe_case("w4a8_int4", 37, 256, 128, 16, 4, seed=3)
+    case = testing.make_fused_moe_case(mode, 37, 256, 128, 16, 4, seed=3)
     dev = {k: common.numpy_to_torch(torch, v, device) for k, v in case.items()}
     parts = []
     for f, det in FINALIZES.items():
         got = common.torch_to_numpy(torch, qmoe.fused_moe(**dev, deterministic=det))
         want = qmoe.fused_moe(**case, deterministic=det)
         parts.append(f"{f} rel_rms {testing.rel_rms(got, want):.1e}")
-    return "qmoe on " + str(device) + " vs the CPU engine (T=37, E=16, k=4, H=256, I=128): " + ", ".join(parts)
+    return f"qmoe {mode} on {device} vs the CPU engine (T=37, E=16, k=4, H=256, I=128): " + ", ".join(parts)
 
 
 def check_torch_peers(torch, device) -> str:
@@ -626,6 +616,120 @@ def _import_torch():
     return torch
 
 
+def measure_ceilings(torch, need_bf16: bool):
+    """(ceilings dict, header line): copy and fp8 (and bf16 when a bf16 mode runs) measured now;
+    a failed measurement falls back to NOMINAL_CEILINGS and says so."""
+    try:
+        copy_tbps, fp8_tflops = common.measure_ceilings(torch)
+        ceilings = dict(copy_tbps=copy_tbps, fp8_tflops=fp8_tflops)
+        line = (f"Ceilings measured in this run: device copy {copy_tbps:.2f} TB/s (read + write), dense "
+                f"fp8 torch._scaled_mm 8192^3 {fp8_tflops:.0f} TFLOP/s")
+    except Exception as e:  # floors from the nominal H200 ceilings, said so
+        ceilings = dict(NOMINAL_CEILINGS)
+        line = (f"Ceilings NOT measured ({_reason(e)}): floors use nominal {ceilings['copy_tbps']:.2f} "
+                f"TB/s and {ceilings['fp8_tflops']:.0f} TFLOP/s fp8")
+    if need_bf16:
+        try:
+            ceilings["bf16_tflops"] = common.measure_bf16_tflops(torch)
+            line += f", dense bf16 torch.mm 8192^3 {ceilings['bf16_tflops']:.0f} TFLOP/s"
+        except Exception as e:
+            ceilings["bf16_tflops"] = NOMINAL_CEILINGS["bf16_tflops"]
+            line += f"; bf16 rate NOT measured ({_reason(e)}): nominal {ceilings['bf16_tflops']:.0f} TFLOP/s"
+    return ceilings, line + "."
+
+
+# What the header says of each mode's floor bytes and data.
+WEIGHT_TEXT = {"int4_g128": "int4 weights + bf16 scales", "nvfp4": "NVFP4 weights + e4m3 scales per 16",
+               "mxfp4": "MXFP4 weights + ue8m0 scales per 32"}
+ACT_TEXT = {"e4m3": "e4m3 activations", "bf16": "bf16 activations",
+            "mxfp8": "MXFP8 activations (e4m3 + ue8m0 per 32)", "nvfp4": "NVFP4 activations (e2m1 + e4m3 per 16)"}
+DATA_TEXT = {
+    "w4a16_int4": "bf16 x ~ N(0, 1), int4 weights with bf16 group scales ~ 1/(4.6 sqrt(K)), no alphas, "
+                  "[gate; up]",
+    "w4a16": "bf16 x ~ N(0, 1), random NVFP4 weights (e4m3 scales 2^-3..2^3), per-expert alphas",
+    "w4a8": "e4m3 x ~ N(0, 1) with ue8m0 scales 2^-8..2^0, random MXFP4 weights (ue8m0 scales 2^-8..2^0), "
+            "per-expert alphas",
+    "w4a4": f"random NVFP4 x (e4m3 scales 2^-3..2^3), fc2_input_scale {common.W4A4_FC2_INPUT_SCALE:g}, random "
+            "NVFP4 weights (e4m3 scales 2^-3..2^3), per-expert alphas",
+}
+FP4_LAYOUT_TEXT = ", [up; gate] interleaved by 64 rows (FlashInfer's; [gate; up] when I % 64 != 0)"
+
+
+def mode_header(mode, gpu, today, ceiling_line, args, peers, peer_note, checks) -> list:
+    wfmt, afmt, rate = common.QUANT_MODES[mode]
+    if mode == DEFAULT_MODE:
+        data = "dynamic a1, a2" if args.dynamic_scales else "static a1 = amax(x)/448, a2 = 8/448"
+    else:
+        data = DATA_TEXT[mode] + (FP4_LAYOUT_TEXT if wfmt != "int4_g128" else "")
+    header = [f"# qmoe fused MoE layer ({mode}), {gpu}, {today}",
+              "",
+              ceiling_line,
+              f"floor us = sum over GEMM1 and GEMM2 of max(bytes / copy, FLOPs / {rate} rate); bytes = "
+              f"{WEIGHT_TEXT[wfmt]} of the experts hit + {ACT_TEXT[afmt]} + bf16 output. graph/floor = time / "
+              "floor (>= 1).",
+              f"Uniform top-k routing (distinct experts), {data}, bf16 out. eager = CUDA events around the Python "
+              "call from an idle GPU; graph = replay of captured calls (out= preallocated); medians of up to "
+              f"{args.iters} samples ({args.budget_ms:.0f} ms budget each). Weight sets, each with its own x, cycled "
+              f"so that >= {args.rotate_mb:.0f} MB are touched between uses of a set (cap {args.max_weight_gb:.0f} GB).",
+              "torch peers (same run, same routing): sort + gather + torch._grouped_mm bf16 / torch._scaled_grouped_mm "
+              "fp8 rowwise (use_fast_accum=True) + SiLU*up + weighted top-k sum, graph replay."]
+    if peers:
+        header.append(peer_note + "; vLLM columns are its Triton fused_experts graph times (another run; int4 = "
+                      "w4a16 g128; its table has no T=512).")
+    elif peer_note:
+        header.append(peer_note)
+    return header + [f"Check: {c}" for c in checks]
+
+
+def fallback_rows(model, args, ceilings, peers, mode, reason, torch_cache=None) -> list:
+    """Rows of a model that did not run (no torch, a failure, an unusable CUDA context): floors
+    from numpy routing, cached torch columns when there are some, `reason` for every other time."""
+    dims = model_dims(model, args)
+    why = qmoe_unsupported(dims[2], dims[3], mode)
+    rows = []
+    for tokens in args.tokens:
+        row = floor_row(model, dims, tokens, numpy_counts(tokens, dims[1], dims[0], args.seed + tokens),
+                        ceilings, peers, mode)
+        cached = (torch_cache or {}).get((model, tokens))
+        if cached:
+            merge_torch_columns(row, cached)
+        for key in QMOE_KEYS:
+            set_error(row, key, why or reason)
+        for key in TORCH_KEYS if not cached else ():
+            set_error(row, key, reason)
+        rows.append(row)
+    return rows
+
+
+def run_mode(torch, mode, args, ceilings, peers, timer, device, torch_cache, state) -> list:
+    """Every model's rows in one mode; state["broken"] holds the reason once CUDA is unusable."""
+    rows = []
+    for model in args.models:
+        t0 = time.perf_counter()
+        if torch is None:  # dry run without torch: floors and peers only
+            model_rows = fallback_rows(model, args, ceilings, peers, mode, "no torch")
+        else:
+            state["broken"] = state["broken"] or timer.broken()
+            if state["broken"]:
+                model_rows = fallback_rows(model, args, ceilings, peers, mode,
+                                           "CUDA unusable after an earlier error: " + state["broken"], torch_cache)
+            else:
+                try:
+                    model_rows = bench_model(torch, model, args, ceilings, peers, timer, device, mode, torch_cache)
+                except Exception as e:  # e.g. out of memory while making weights: report, go on
+                    print(f"  {mode} {model}: failed ({_reason(e)})", flush=True)
+                    model_rows = fallback_rows(model, args, ceilings, peers, mode, _reason(e), torch_cache)
+                    timer.free()
+        for r in model_rows:
+            print(f"  {mode} {model} T={r['T']}: floor {fmt(r['floor_us'])} us, qmoe det "
+                  f"{fmt(r.get('qmoe_det_eager_us'))} / {fmt(r.get('qmoe_det_graph_us'))}, fused "
+                  f"{fmt(r.get('qmoe_fused_eager_us'))} / {fmt(r.get('qmoe_fused_graph_us'))} us (eager / graph), "
+                  f"torch bf16 {fmt(r.get('torch_bf16_graph_us'))}, fp8 {fmt(r.get('torch_fp8_graph_us'))}", flush=True)
+        print(f"  {mode} {model}: {time.perf_counter() - t0:.1f} s", flush=True)
+        rows += model_rows
+    return rows
+
+
 def main(argv=None) -> int:
     args = _parse_args(argv)
     started = time.perf_counter()
@@ -639,94 +743,44 @@ def main(argv=None) -> int:
         device, gpu, ceilings = "cpu", "cpu dry run", dict(NOMINAL_CEILINGS)
         timer = HostTimer()
         ceiling_line = (f"DRY RUN (no GPU; not a measurement): nominal ceilings {ceilings['copy_tbps']:.2f} TB/s copy, "
-                        f"{ceilings['fp8_tflops']:.0f} TFLOP/s fp8; H and I shrunk by {args.shrink} (multiples of 128 "
-                        "kept); each implementation ran once on the CPU.")
+                        f"{ceilings['fp8_tflops']:.0f} TFLOP/s fp8, {ceilings['bf16_tflops']:.0f} TFLOP/s bf16; H and "
+                        f"I shrunk by {args.shrink} (multiples of 128 kept); each implementation ran once on the CPU.")
     else:
         device, gpu = "cuda", torch.cuda.get_device_name()
         timer = CudaTimer(torch, args)
-        try:
-            copy_tbps, fp8_tflops = common.measure_ceilings(torch)
-            ceilings = dict(copy_tbps=copy_tbps, fp8_tflops=fp8_tflops)
-            ceiling_line = (f"Ceilings measured in this run: device copy {copy_tbps:.2f} TB/s (read + write), dense "
-                            f"fp8 torch._scaled_mm 8192^3 {fp8_tflops:.0f} TFLOP/s.")
-        except Exception as e:  # floors from the nominal H200 ceilings, said so
-            ceilings = dict(NOMINAL_CEILINGS)
-            ceiling_line = (f"Ceilings NOT measured ({_reason(e)}): floors use nominal {ceilings['copy_tbps']:.2f} "
-                            f"TB/s and {ceilings['fp8_tflops']:.0f} TFLOP/s.")
-            timer.free()
+        ceilings, ceiling_line = measure_ceilings(
+            torch, any(common.QUANT_MODES[m][2] == "bf16" for m in args.quant_mode))
+        timer.free()
     checks = []
     if torch is not None:
-        for check in (check_qmoe, check_torch_peers):
+        try:
+            checks.append(check_torch_peers(torch, device))
+        except Exception as e:
+            checks.append(f"check_torch_peers: n/a ({_reason(e)})")
+    torch_cache, state, failed = {}, dict(broken=None), []
+    for mode in args.quant_mode:
+        mode_started = time.perf_counter()
+        mode_checks = list(checks)
+        if torch is not None:
             try:
-                checks.append(check(torch, device))
+                mode_checks.append(check_qmoe(torch, device, mode))
             except Exception as e:
-                checks.append(f"{check.__name__}: n/a ({_reason(e)})")
-    scales = "dynamic a1, a2" if args.dynamic_scales else "static a1 = amax(x)/448, a2 = 8/448"
-    header = [f"# qmoe fused MoE layer (w4a8_int4), {gpu}, {today}",
-              "",
-              ceiling_line,
-              "floor us = sum over GEMM1 and GEMM2 of max(bytes / copy, FLOPs / fp8 rate); bytes = int4 weights + "
-              "bf16 scales of the experts hit + e4m3 activations + bf16 output. graph/floor = time / floor (>= 1).",
-              f"Uniform top-k routing (distinct experts), {scales}, bf16 out. eager = CUDA events around the Python "
-              "call from an idle GPU; graph = replay of captured calls (out= preallocated); medians of up to "
-              f"{args.iters} samples ({args.budget_ms:.0f} ms budget each). Weight sets, each with its own x, cycled "
-              f"so that >= {args.rotate_mb:.0f} MB are touched between uses of a set (cap {args.max_weight_gb:.0f} GB).",
-              "torch peers (same run, same routing): sort + gather + torch._grouped_mm bf16 / torch._scaled_grouped_mm "
-              "fp8 rowwise (use_fast_accum=True) + SiLU*up + weighted top-k sum, graph replay."]
-    if peers:
-        header.append(peer_note + "; vLLM columns are its Triton fused_experts graph times (another run; int4 = "
-                      "w4a16 g128; its table has no T=512).")
-    elif peer_note:
-        header.append(peer_note)
-    header += [f"Check: {c}" for c in checks]
-    print("\n".join(header), flush=True)
-
-    rows = []
-    for model in args.models:
-        t0 = time.perf_counter()
-        if torch is None:  # dry run without torch: floors and peers only
-            dims = model_dims(model, args)
-            model_rows = []
-            for tokens in args.tokens:
-                row = floor_row(model, dims, tokens, numpy_counts(tokens, dims[1], dims[0], args.seed + tokens),
-                                ceilings, peers)
-                why = qmoe_unsupported(dims[2], dims[3])
-                for key in QMOE_KEYS + TORCH_KEYS:
-                    set_error(row, key, why if why and key in QMOE_KEYS else "no torch")
-                model_rows.append(row)
-        else:
-            try:
-                model_rows = bench_model(torch, model, args, ceilings, peers, timer, device)
-            except Exception as e:  # e.g. out of memory while making weights: report, go on
-                print(f"  {model}: failed ({_reason(e)})", flush=True)
-                dims = model_dims(model, args)
-                model_rows = []
-                for tokens in args.tokens:
-                    row = floor_row(model, dims, tokens, numpy_counts(tokens, dims[1], dims[0], args.seed + tokens),
-                                    ceilings, peers)
-                    for key in QMOE_KEYS + TORCH_KEYS:
-                        set_error(row, key, _reason(e))
-                    model_rows.append(row)
-                timer.free()
-        for r in model_rows:
-            print(f"  {model} T={r['T']}: floor {fmt(r['floor_us'])} us, qmoe det {fmt(r.get('qmoe_det_eager_us'))} / "
-                  f"{fmt(r.get('qmoe_det_graph_us'))}, fused {fmt(r.get('qmoe_fused_eager_us'))} / "
-                  f"{fmt(r.get('qmoe_fused_graph_us'))} us (eager / graph), torch bf16 "
-                  f"{fmt(r.get('torch_bf16_graph_us'))}, fp8 {fmt(r.get('torch_fp8_graph_us'))}", flush=True)
-        print(f"  {model}: {time.perf_counter() - t0:.1f} s", flush=True)
-        rows += model_rows
-
-    elapsed = time.perf_counter() - started
-    table = markdown(rows, header + [summary_line(rows), f"Run time {elapsed:.0f} s."], args.finalize)
-    print()
-    print(table)
-    payload = dict(device=gpu, torch=getattr(torch, "__version__", None), dry_run=args.dry_run,
-                   date=datetime.datetime.now().isoformat(timespec="seconds"), ceilings=ceilings,
-                   args=vars(args), peers=peer_note, checks=checks, seconds=elapsed, rows=rows)
-    stem = write_outputs(args.out_dir, f"{today}_{norm(gpu)}_moe", table, payload)
-    print(f"\nwrote {stem}.json and {stem}.md")
-    supported = [r for r in rows if not qmoe_unsupported(r["H"], r["I"])]
-    failed = [r for r in supported if any(k in r.get("errors", {}) for k in QMOE_KEYS)]
+                mode_checks.append(f"check_qmoe {mode}: n/a ({_reason(e)})")
+        header = mode_header(mode, gpu, today, ceiling_line, args, peers, peer_note, mode_checks)
+        print("\n".join(header), flush=True)
+        rows = run_mode(torch, mode, args, ceilings, peers, timer, device, torch_cache, state)
+        elapsed = time.perf_counter() - mode_started
+        table = markdown(rows, header + [summary_line(rows), f"Run time {elapsed:.0f} s."], args.finalize)
+        print()
+        print(table)
+        payload = dict(device=gpu, torch=getattr(torch, "__version__", None), dry_run=args.dry_run, quant_mode=mode,
+                       date=datetime.datetime.now().isoformat(timespec="seconds"), ceilings=ceilings,
+                       args=vars(args), peers=peer_note, checks=mode_checks, seconds=elapsed, rows=rows)
+        stem = write_outputs(args.out_dir, output_stem(today, gpu, mode), table, payload)
+        print(f"\nwrote {stem}.json and {stem}.md\n", flush=True)
+        supported = [r for r in rows if not qmoe_unsupported(r["H"], r["I"], mode)]
+        failed += [r for r in supported if any(k in r.get("errors", {}) for k in QMOE_KEYS)]
+    print(f"Total run time {time.perf_counter() - started:.0f} s.")
     return 1 if failed and not args.dry_run else 0
 
 

@@ -142,8 +142,9 @@ class CuteDslMoEWrapper:
 
     def get_valid_tactics(self):
         """Tactic names usable by run(): for 'w4a8_int4' on a CUDA device, the GEMM tactics valid for
-        both GEMMs of this layer (qmoe.valid_tactics); otherwise the single 'reference' (the CPU
-        backend, and the modes that have no GPU path)."""
+        both GEMMs of this layer (qmoe.valid_tactics); otherwise the single 'reference', which forces
+        nothing: the CPU backend, or on a CUDA device the C++ heuristic's choice for the bf16 x 4-bit
+        GEMMs of w4a4 / w4a8 / w4a16 (their tactic list is not exposed to Python yet)."""
         if self.quant_mode == "w4a8_int4" and str(self.device).startswith("cuda"):
             gated = self.activation != "relu2"
             return tune.fused_moe_candidates(self.max_num_tokens or 1, self.hidden_size, self.intermediate_size,

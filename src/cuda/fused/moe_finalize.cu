@@ -1,13 +1,27 @@
-// Finalize of the GPU fused MoE: combine each token's expert rows back into token order
-// (fused_moe_kernels.h; DESIGN.md 3b). rsf = routed_scaling_factor, row_j = y[output_permutation[t*k + j]]
-// (GEMM2's bf16 row, alpha2 and a2 applied), slots j in order, -1 slots skipped:
+// Finalize kernels: combine each token's per-slot bf16 rows back into token order (DESIGN.md 3b).
+// rsf = routed_scaling_factor; slots j of token t in order; a slot without a row is skipped.
 //
 //   deterministic: out[t, n] = round_out(rsf * sum_j (w[t, j] * row_j[n]))   fp32 product, fp32 sum
 //   fused:         o = 0; o = round_out(o + bf16(rsf * w[t, j] * row_j[n])); out[t, n] = o
 //
+// Where the row of slot s = t*k + j comes from (one kernel template, two row sources):
+//   fused::finalize            (fused_moe)    row_s = y[output_permutation[s]], -1: no row
+//   fused::scatter_slot_rows   (moe_expert_rows) is the copy slot_rows[s] = y[output_permutation[s]]
+//   cuda::moe_finalize         (moe_finalize) row_s = rows[s] when the routing rule keeps the slot:
+//                              0 <= e < num_experts and e - local_expert_offset in [0, num_local),
+//                              e = topk_ids[s]; rows of other slots are never read.
+// So moe_finalize(moe_expert_rows(p)) runs the same arithmetic on the same bf16 values as
+// fused_moe(p, deterministic) and the two are bit-identical; both equal the CPU reference
+// (src/reference/fused_moe.cpp finalize_deterministic), whose loop is `o += w * row` in fp32 without
+// fma contraction, then round_out(rsf * o).
+//
 // round_out = rounding to the output dtype (bf16 / f16 RNE, f32 exact). Explicit __fmul_rn /
 // __fadd_rn keep the compiler from contracting into FMAs, so each step rounds as the reference's
-// does. Every output element is written; a token without a local slot gets 0.
+// does. Every output element is written; a token without a kept slot gets 0.
+//
+// Mapping: one CTA per token (grid-stride over tokens); the token's k row pointers and weights are
+// resolved once into shared memory; threads walk the H features 8 at a time (16-byte loads) when H % 8
+// == 0 and the pointers are 16-byte aligned, else one at a time. Limits: top_k <= 16 (kMaxTopK).
 //
 // NOTE: the "fused" mode is a per-token gather with the reference's fused rounding order, so it
 // is deterministic too. Its products use GEMM2's bf16 row where the reference uses the fp32 y
@@ -17,9 +31,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
+#include "cuda/common/device_guard.h"
 #include "cuda/fused/fused_moe_common.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/launch.h"
+#include "qmoe/routing.h"
 
 namespace qmoe::cuda::fused {
 
@@ -27,6 +45,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 8192;
+constexpr int kVec = 8;  // bf16 features per 16-byte load
 
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
   return __uint_as_float(static_cast<uint32_t>(b) << 16);
@@ -40,47 +59,168 @@ __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 
-// One block per token (grid-stride over tokens); threads walk the H features.
-template <class OutT, bool kDeterministic>
-__global__ void __launch_bounds__(kThreads) finalize_kernel(const uint16_t* __restrict__ y,
-                                                            const int32_t* __restrict__ output_permutation,
-                                                            const float* __restrict__ topk_weights, int64_t tokens,
-                                                            int topk, int64_t hidden, float rsf, OutT* out) {
+// kVec consecutive outputs at an aligned address, in as few stores as the type allows.
+__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const float (&v)[kVec]) {
+  uint4 packed;
+  uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i) {
+    const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i]));
+    const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i + 1]));
+    words[i] = lo | (hi << 16);
+  }
+  *reinterpret_cast<uint4*>(p) = packed;
+}
+__device__ __forceinline__ void store_vec(__half* p, const float (&v)[kVec]) {
+  uint4 packed;
+  uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i) {
+    const uint32_t lo = __half_as_ushort(__float2half_rn(v[2 * i]));
+    const uint32_t hi = __half_as_ushort(__float2half_rn(v[2 * i + 1]));
+    words[i] = lo | (hi << 16);
+  }
+  *reinterpret_cast<uint4*>(p) = packed;
+}
+__device__ __forceinline__ void store_vec(float* p, const float (&v)[kVec]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// fused_moe: the row of slot s is y[output_permutation[s]] (-1: none).
+struct PermutedRows {
+  const uint16_t* y;
+  const int32_t* output_permutation;
+  __device__ __forceinline__ const uint16_t* row(int64_t s, int64_t hidden) const {
+    const int32_t r = output_permutation[s];
+    return r < 0 ? nullptr : y + static_cast<int64_t>(r) * hidden;
+  }
+};
+
+// moe_finalize: the row of slot s is rows[s] when the routing rule keeps the slot.
+struct SlotRows {
+  const uint16_t* rows;
+  const int32_t* topk_ids;
+  int64_t num_experts, local_expert_offset, num_local;
+  __device__ __forceinline__ const uint16_t* row(int64_t s, int64_t hidden) const {
+    const int64_t e = topk_ids[s];
+    const int64_t l = e - local_expert_offset;
+    const bool kept = e >= 0 && e < num_experts && l >= 0 && l < num_local;
+    return kept ? rows + s * hidden : nullptr;
+  }
+};
+
+template <class OutT, bool kDeterministic, int V, class Rows>
+__global__ void __launch_bounds__(kThreads) finalize_kernel(Rows source, const float* __restrict__ topk_weights,
+                                                            int64_t tokens, int topk, int64_t hidden, float rsf,
+                                                            OutT* __restrict__ out) {
+  __shared__ const uint16_t* row_ptr[kMaxTopK];
+  __shared__ float weight[kMaxTopK];
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    const int32_t* rows = output_permutation + t * topk;
-    const float* w = topk_weights + t * topk;
+    if (static_cast<int>(threadIdx.x) < topk) {
+      const int64_t s = t * topk + threadIdx.x;
+      row_ptr[threadIdx.x] = source.row(s, hidden);
+      weight[threadIdx.x] = topk_weights[s];
+    }
+    __syncthreads();
     OutT* out_row = out + t * hidden;
-    for (int64_t n = threadIdx.x; n < hidden; n += blockDim.x) {
-      float o = 0.0f;
+    for (int64_t n = static_cast<int64_t>(threadIdx.x) * V; n < hidden; n += static_cast<int64_t>(blockDim.x) * V) {
+      float o[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) o[i] = 0.0f;
       for (int j = 0; j < topk; ++j) {
-        const int32_t r = rows[j];
-        if (r < 0) continue;
-        const float row = bf16_bits_to_float(y[static_cast<int64_t>(r) * hidden + n]);
-        if (kDeterministic) {
-          o = __fadd_rn(o, __fmul_rn(w[j], row));
+        const uint16_t* r = row_ptr[j];
+        if (r == nullptr) continue;
+        alignas(16) uint16_t bits[V];
+        if constexpr (V == kVec) {
+          *reinterpret_cast<uint4*>(bits) = *reinterpret_cast<const uint4*>(r + n);
         } else {
-          const float term = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(rsf, w[j]), row)));
-          o = round_out(__fadd_rn(o, term), static_cast<OutT*>(nullptr));
+          bits[0] = r[n];
+        }
+        const float w = weight[j];
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float row = bf16_bits_to_float(bits[i]);
+          if (kDeterministic) {
+            o[i] = __fadd_rn(o[i], __fmul_rn(w, row));
+          } else {
+            const float term = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(rsf, w), row)));
+            o[i] = round_out(__fadd_rn(o[i], term), static_cast<OutT*>(nullptr));
+          }
         }
       }
-      store(out_row + n, kDeterministic ? __fmul_rn(rsf, o) : o);
+      if (kDeterministic) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) o[i] = __fmul_rn(rsf, o[i]);
+      }
+      if constexpr (V == kVec) {
+        store_vec(out_row + n, o);
+      } else {
+        store(out_row + n, o[0]);
+      }
     }
+    __syncthreads();  // row_ptr / weight are rewritten for the next token
   }
 }
 
-template <class OutT>
-void launch(const uint16_t* y, const int32_t* output_permutation, const float* topk_weights, int64_t tokens, int topk,
-            int64_t hidden, float rsf, bool deterministic, void* out, cudaStream_t stream) {
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <class OutT, class Rows>
+void launch(const Rows& source, bool vectorized, const float* topk_weights, int64_t tokens, int topk, int64_t hidden,
+            float rsf, bool deterministic, void* out, cudaStream_t stream) {
   const unsigned grid = grid_for(tokens, kMaxBlocks);
   OutT* o = static_cast<OutT*>(out);
-  if (deterministic) {
-    finalize_kernel<OutT, true><<<grid, kThreads, 0, stream>>>(y, output_permutation, topk_weights, tokens, topk,
-                                                                hidden, rsf, o);
+  if (vectorized && deterministic) {
+    finalize_kernel<OutT, true, kVec><<<grid, kThreads, 0, stream>>>(source, topk_weights, tokens, topk, hidden, rsf, o);
+  } else if (vectorized) {
+    finalize_kernel<OutT, false, kVec><<<grid, kThreads, 0, stream>>>(source, topk_weights, tokens, topk, hidden, rsf,
+                                                                      o);
+  } else if (deterministic) {
+    finalize_kernel<OutT, true, 1><<<grid, kThreads, 0, stream>>>(source, topk_weights, tokens, topk, hidden, rsf, o);
   } else {
-    finalize_kernel<OutT, false><<<grid, kThreads, 0, stream>>>(y, output_permutation, topk_weights, tokens, topk,
-                                                                 hidden, rsf, o);
+    finalize_kernel<OutT, false, 1><<<grid, kThreads, 0, stream>>>(source, topk_weights, tokens, topk, hidden, rsf, o);
   }
-  check_cuda(cudaGetLastError(), "launch of fused_moe finalize");
+  check_cuda(cudaGetLastError(), "launch of the MoE finalize");
+}
+
+template <class Rows>
+void launch_any(const Rows& source, bool rows_aligned, const float* topk_weights, int64_t tokens, int topk,
+                int64_t hidden, float rsf, bool deterministic, DType out_dtype, void* out, cudaStream_t stream) {
+  const bool vectorized = rows_aligned && hidden % kVec == 0 && aligned16(out);
+  switch (out_dtype) {
+    case DType::kBFloat16:
+      launch<__nv_bfloat16>(source, vectorized, topk_weights, tokens, topk, hidden, rsf, deterministic, out, stream);
+      break;
+    case DType::kFloat16:
+      launch<__half>(source, vectorized, topk_weights, tokens, topk, hidden, rsf, deterministic, out, stream);
+      break;
+    case DType::kFloat32:
+      launch<float>(source, vectorized, topk_weights, tokens, topk, hidden, rsf, deterministic, out, stream);
+      break;
+    default:
+      throw Error("output", "bfloat16, float16 or float32", dtype_name(out_dtype));
+  }
+}
+
+// slot_rows[s, :] = y[output_permutation[s], :] for valid slots; V features per thread-iteration.
+template <int V>
+__global__ void __launch_bounds__(kThreads) scatter_slot_rows_kernel(const uint16_t* __restrict__ y,
+                                                                     const int32_t* __restrict__ output_permutation,
+                                                                     int64_t slots, int64_t hidden,
+                                                                     uint16_t* __restrict__ slot_rows) {
+  for (int64_t s = blockIdx.x; s < slots; s += gridDim.x) {
+    const int32_t r = output_permutation[s];
+    if (r < 0) continue;  // uniform over the CTA: no divergence
+    const uint16_t* src = y + static_cast<int64_t>(r) * hidden;
+    uint16_t* dst = slot_rows + s * hidden;
+    for (int64_t n = static_cast<int64_t>(threadIdx.x) * V; n < hidden; n += static_cast<int64_t>(blockDim.x) * V) {
+      if constexpr (V == kVec) {
+        *reinterpret_cast<uint4*>(dst + n) = *reinterpret_cast<const uint4*>(src + n);
+      } else {
+        dst[n] = src[n];
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -89,22 +229,36 @@ void finalize(const uint16_t* y, const int32_t* output_permutation, const float*
               int topk, int64_t hidden, float routed_scaling_factor, bool deterministic, DType out_dtype, void* out,
               cudaStream_t stream) {
   if (tokens <= 0 || hidden <= 0) return;
-  switch (out_dtype) {
-    case DType::kBFloat16:
-      launch<__nv_bfloat16>(y, output_permutation, topk_weights, tokens, topk, hidden, routed_scaling_factor,
-                            deterministic, out, stream);
-      break;
-    case DType::kFloat16:
-      launch<__half>(y, output_permutation, topk_weights, tokens, topk, hidden, routed_scaling_factor, deterministic,
-                     out, stream);
-      break;
-    case DType::kFloat32:
-      launch<float>(y, output_permutation, topk_weights, tokens, topk, hidden, routed_scaling_factor, deterministic,
-                    out, stream);
-      break;
-    default:
-      throw Error("output", "bfloat16, float16 or float32", dtype_name(out_dtype));
+  launch_any(PermutedRows{y, output_permutation}, aligned16(y), topk_weights, tokens, topk, hidden,
+             routed_scaling_factor, deterministic, out_dtype, out, stream);
+}
+
+void scatter_slot_rows(const uint16_t* y, const int32_t* output_permutation, int64_t slots, int64_t hidden,
+                       uint16_t* slot_rows, cudaStream_t stream) {
+  if (slots <= 0 || hidden <= 0) return;
+  const unsigned grid = grid_for(slots, kMaxBlocks);
+  if (hidden % kVec == 0 && aligned16(y) && aligned16(slot_rows)) {
+    scatter_slot_rows_kernel<kVec><<<grid, kThreads, 0, stream>>>(y, output_permutation, slots, hidden, slot_rows);
+  } else {
+    scatter_slot_rows_kernel<1><<<grid, kThreads, 0, stream>>>(y, output_permutation, slots, hidden, slot_rows);
   }
+  check_cuda(cudaGetLastError(), "launch of moe_expert_rows' scatter to slot rows");
 }
 
 }  // namespace qmoe::cuda::fused
+
+namespace qmoe::cuda {
+
+void moe_finalize(const MoeFinalizeParams& p, cudaStream_t stream) {
+  const int64_t tokens = p.topk_ids.size(0), topk = p.topk_ids.size(1), hidden = p.rows.size(1);
+  if (tokens == 0) return;  // an empty [0, H] output: nothing to write
+  DeviceGuard current(p.rows.device_index);
+  const int64_t local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
+  const fused::SlotRows source{p.rows.ptr<const uint16_t>(), p.topk_ids.ptr<const int32_t>(), p.num_experts,
+                               p.local_expert_offset, local};
+  fused::launch_any(source, fused::aligned16(p.rows.data), p.topk_weights.ptr<const float>(), tokens,
+                    static_cast<int>(topk), hidden, p.routed_scaling_factor, /*deterministic=*/true, p.output.dtype,
+                    p.output.data, stream);
+}
+
+}  // namespace qmoe::cuda

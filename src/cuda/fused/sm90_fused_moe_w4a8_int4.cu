@@ -39,7 +39,7 @@ TensorRef device_tensor(void* data, DType dtype, std::initializer_list<int64_t> 
 }  // namespace
 
 void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, const Tactic& gemm2_tactic,
-                         void* workspace, cudaStream_t stream) {
+                         void* workspace, void* slot_rows, cudaStream_t stream) {
   const int64_t tokens = p.topk_ids.size(0), topk = p.topk_ids.size(1);
   const int64_t slots = tokens * topk;
   const int64_t hidden = p.w2.size(1), inter = 2 * p.w2.size(2);
@@ -124,7 +124,11 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   // 8. GEMM2 into bf16 rows.
   grouped_gemm(y, DType::kBFloat16, hidden, a2, inter, p.w2, p.w2_scale, s2, sizes2, gemm2_tactic);
 
-  // 9. Back to token order.
+  // 9. Back to token order (or, for moe_expert_rows, to flat slot order without combining).
+  if (slot_rows != nullptr) {
+    fused::scatter_slot_rows(y, out_perm, slots, hidden, static_cast<uint16_t*>(slot_rows), stream);
+    return;
+  }
   fused::finalize(y, out_perm, p.topk_weights.ptr<const float>(), tokens, static_cast<int>(topk), hidden,
                   p.routed_scaling_factor, p.deterministic, p.output.dtype, p.output.data, stream);
 }

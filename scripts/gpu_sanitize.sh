@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# compute-sanitizer over a fast subset of the GPU tests (reliability issue #6, item 2; target: under
+# 5 minutes on an H200 after the build). Every pytest run goes through scripts/gpu_tests.sh's
+# QMOE_SANITIZER switch (so the build, PYTHONPATH and pytest options are the suite's own):
+#   memcheck   a broad subset: odd shapes (N, K, rows not multiples of any tile) with every tactic,
+#              the hostile-call tests, determinism of the GEMM and routing, two threads on two
+#              streams, recovery after refused calls, a few cases of the older GPU test files;
+#   racecheck  the tiny odd shapes (every GEMM tactic, routing with one and two CTAs, the fused op);
+#   synccheck  the same tiny subset;
+#   initcheck  the tiny and small odd shapes; there the tests leave unread rows and the routing
+#              outputs uninitialized and give the fused op a workspace from fresh memory;
+# plus the C++ GEMM check program (tests/gpu/w4a8_gemm_check.cu) under memcheck.
+# Prints one summary line per tool: tests run, errors reported (those in qmoe's code, and the others).
+# Exit status 0 only when every pytest run passed, nothing timed out and no report names qmoe.
+#
+# Usage (device machine):  bash scripts/gpu_sanitize.sh        (QMOE_SKIP_BUILD=1: reuse build/device)
+# Logs: $OUT (or build/sanitize): sanitize_{memcheck,racecheck,synccheck,initcheck,gemm_check}.log.
+# Switches: QMOE_SANITIZE_TOOLS="memcheck racecheck synccheck initcheck gemm_check" (a subset to run);
+#   QMOE_SANITIZE_K_<TOOL>=<pytest -k expression> replaces a selection; QMOE_SANITIZE_LIMIT_<TOOL>=<s>
+#   a time limit (defaults below sum to 290 s; a run past its limit is killed and reported TIMEOUT).
+#
+# Options added to gpu_tests.sh's sanitizer command line, through a wrapper put first on PATH (its
+# switch takes no extra options), each only when this compute-sanitizer's --help lists it:
+#   --kernel-name kns=qmoe   (memcheck, racecheck, synccheck) instrument qmoe's kernels only: torch's
+#       own kernels are not under test, and skipping them is what makes the runs fast. Checks are per
+#       access (memcheck) or per kernel (racecheck: shared memory; synccheck: barriers), so kernels
+#       left out cannot hide an error in ours.
+#   not for initcheck: it must see every write (torch's kernels fill the inputs and poison the
+#       outputs) to know what is initialized. Its reports in torch's kernels are counted as "other".
+#   --track-unused-memory=no (initcheck) no reports for allocations never used: torch's caching
+#       allocator reserves blocks it may never hand out.
+#   --report-api-errors=no   CUDA API calls that fail on purpose (torch probing the device; the tests
+#       that provoke errors skip under the sanitizer anyway) are not reports; a failing CUDA call in
+#       qmoe raises a qmoe::Error, which fails its test.
+# --target-processes all (in gpu_tests.sh) follows pytest's child processes.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
+LOGDIR=${OUT:-$ROOT/build/sanitize}
+mkdir -p "$LOGDIR"
+T0=$(date +%s)
+TOOLS=${QMOE_SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck gemm_check}
+
+REAL=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n1)
+[[ -n "$REAL" && -x "$REAL" ]] || { echo "compute-sanitizer not found"; exit 2; }
+HELP=$("$REAL" --help 2>&1)
+has() { grep -q -- "$1" <<<"$HELP"; }
+COMMON=""
+has "--report-api-errors" && COMMON="--report-api-errors=no"
+FILTER=""
+if has "--kernel-name "; then FILTER="--kernel-name=kns=qmoe"; elif has "--kernel-regex "; then FILTER="--kernel-regex=kns=qmoe"; fi
+UNUSED=""
+has "--track-unused-memory" && UNUSED="--track-unused-memory=no"
+echo "compute-sanitizer: $REAL ($("$REAL" --version 2>/dev/null | tail -n1)); added options: ${COMMON:-none} ${FILTER:-(no kernel filter)} ${UNUSED}"
+
+WRAP=$(mktemp -d)
+trap 'rm -rf "$WRAP"' EXIT
+cat > "$WRAP/compute-sanitizer" <<EOF
+#!/usr/bin/env bash
+exec "$REAL" \${QMOE_SANITIZER_EXTRA_ARGS:-} "\$@"
+EOF
+chmod +x "$WRAP/compute-sanitizer"
+
+if [[ "${QMOE_SKIP_BUILD:-0}" != 1 ]]; then
+  echo "== build (scripts/device_build.sh)"
+  bash scripts/device_build.sh > /tmp/qmoe_sanitize_build.log 2>&1 || { tail -n 40 /tmp/qmoe_sanitize_build.log; exit 1; }
+fi
+
+HAVE_SETSID=$(command -v setsid || true)
+# run_limited SECONDS LOG CMD...: CMD in its own process group, killed as a group past SECONDS.
+run_limited() {
+  local limit=$1 log=$2 waited=0
+  shift 2
+  if [[ -n "$HAVE_SETSID" ]]; then setsid "$@" > "$log" 2>&1 & else timeout -k 5 "$limit" "$@" > "$log" 2>&1 & fi
+  local pid=$!
+  if [[ -z "$HAVE_SETSID" ]]; then wait "$pid"; return; fi  # started under timeout(1) below
+  while kill -0 "$pid" 2>/dev/null; do
+    if (( waited >= limit )); then
+      echo "TIMEOUT: killed after ${limit}s" >> "$log"
+      kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+      wait "$pid" 2>/dev/null
+      return 124
+    fi
+    sleep 1
+    waited=$((waited + 1))
+  done
+  wait "$pid"
+}
+
+# parse LOG: "tests ran|failed|skipped|errors reported|in qmoe|other|warnings" from pytest's last
+# count line and the sanitizer's reports. A report is a top-level "========= X" line (X not a
+# summary or status line) with its indented lines; it is qmoe's when any of them names qmoe (the
+# kernel, or the host backtrace through the extension / libqmoe).
+parse() {
+  python3 - "$1" <<'EOF'
+import re, sys
+text = open(sys.argv[1], errors="replace").read().splitlines()
+counts = {}
+for line in text:
+    if re.search(r"\d+ (passed|failed|skipped|deselected|error)", line) and " in " in line:
+        counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", line)}
+summary = sum(int(n) for n in re.findall(r"^========= ERROR SUMMARY: (\d+) error", "\n".join(text), re.M))
+skip = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY", "Target application",
+        "Error: process didn't terminate", "TIMEOUT")
+records, cur = [], None
+for line in text:
+    m = re.match(r"^========= (\S.*)$", line)
+    if m:
+        cur = None if m.group(1).startswith(skip) else [m.group(1)]
+        if cur is not None:
+            records.append(cur)
+    elif cur is not None and line.startswith("=========  "):
+        cur.append(line)
+    elif not line.startswith("========="):
+        cur = None
+warn = [r for r in records if r[0].lower().startswith("warning")]
+errs = [r for r in records if not r[0].lower().startswith("warning")]
+mine = [r for r in errs if any("qmoe" in l for l in r)]
+ran = counts.get("passed", 0) + counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+print(ran, failed, counts.get("skipped", 0), max(summary, len(errs)), len(mine), len(errs) - len(mine), len(warn))
+EOF
+}
+
+declare -A SEL LIMIT
+SEL[memcheck]="(test_odd or test_hostile or test_det_gemm_and_mm_data or test_det_runs_streams_graph or \
+test_concurrent_threads_match_serial or test_fault_validation or test_mm_data_worked_example or \
+test_gemm_gaps_per_row_negative_scales or test_token_without_local_expert_is_zero or test_hidden_and_inter_sizes) \
+and not big and not cuda1"
+SEL[racecheck]="test_odd and tiny"
+SEL[synccheck]="test_odd and tiny"
+SEL[initcheck]="test_odd and (tiny or small)"
+LIMIT=([memcheck]=110 [racecheck]=50 [synccheck]=40 [initcheck]=50 [gemm_check]=40)
+
+status=0
+declare -a LINES
+for tool in $TOOLS; do
+  up=${tool^^}
+  limit_var=QMOE_SANITIZE_LIMIT_$up
+  limit=${!limit_var:-${LIMIT[$tool]:-120}}
+  log="$LOGDIR/sanitize_$tool.log"
+  t=$(date +%s)
+  if [[ "$tool" == gemm_check ]]; then
+    # The C++ GEMM check (every tactic, ragged experts, both scale layouts, E = 1024) under memcheck.
+    if bash tests/gpu/build_w4a8_check.sh build/w4a8_check > "$log" 2>&1; then
+      run_limited "$limit" "$log.run" "$REAL" --tool memcheck --error-exitcode 86 $COMMON $FILTER build/w4a8_check
+      rc=$?
+      cat "$log.run" >> "$log"; rm -f "$log.run"
+      [[ $rc -eq 0 ]] && ran="1 check program (PASS)" || ran="1 check program (exit $rc)"
+    else
+      rc=2; ran="check program did not build"
+    fi
+    errors=0 mine=0 other=0 warnings=0
+    read -r _ _ _ errors mine other warnings < <(parse "$log")
+    failed=$([[ $rc -eq 0 || $rc -eq 86 ]] && echo 0 || echo 1)
+    grep -q "correctness: PASS" "$log" || failed=1
+  else
+    sel_var=QMOE_SANITIZE_K_$up
+    sel=${!sel_var:-${SEL[$tool]}}
+    QMOE_SANITIZER=$tool QMOE_SKIP_BUILD=1 QMOE_SKIP_CPP=1 PATH="$WRAP:$PATH" \
+      QMOE_SANITIZER_EXTRA_ARGS="$COMMON $([[ $tool == initcheck ]] && echo "$UNUSED" || echo "$FILTER")" \
+      run_limited "$limit" "$log" bash scripts/gpu_tests.sh -k "$sel"
+    rc=$?
+    n=0 failed=1 skipped=0 errors=0 mine=0 other=0 warnings=0
+    read -r n failed skipped errors mine other warnings < <(parse "$log")
+    ran="$n tests ($failed failed, $skipped skipped)"
+    (( n == 0 )) && failed=1  # pytest crashed or selected nothing
+  fi
+  secs=$(( $(date +%s) - t ))
+  verdict=ok
+  (( failed > 0 )) && verdict=FAILED
+  (( mine > 0 )) && verdict="FAILED (reports in qmoe)"
+  [[ $rc -eq 124 ]] && verdict="TIMEOUT (raise QMOE_SANITIZE_LIMIT_$up or narrow QMOE_SANITIZE_K_$up)"
+  [[ "$verdict" != ok ]] && status=1
+  [[ "$verdict" == ok && "$other" -gt 0 ]] && verdict="ok (WARN: $other reports outside qmoe, see log)"
+  LINES+=("$(printf '%-10s %-38s errors reported %3s (qmoe %s, other %s; warnings %s)  %4ss  %s  %s' \
+    "$tool" "$ran" "$errors" "$mine" "$other" "$warnings" "$secs" "$verdict" "$log")")
+  echo "${LINES[-1]}"
+done
+
+echo
+echo "== compute-sanitizer summary ($(( $(date +%s) - T0 ))s in all)"
+printf '  %s\n' "${LINES[@]}"
+exit $status
