@@ -8,6 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
+RES=$(mktemp -d)  # result files (.md/.json), packed into $OUT/results.tar at the end (the device tool returns <= 8 files)
 export PYTHONUNBUFFERED=1
 S=$(date +%s); step() { echo "[$(( $(date +%s) - S ))s] $*"; }
 step build; bash scripts/device_build.sh > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
@@ -22,8 +23,9 @@ step "gemm checks"; {
   echo "bf16 x 4-bit gemm check rc=$?"
 } > "$OUT/checks.log" 2>&1; grep -E "FAIL|correctness|check rc" "$OUT/checks.log" | tail -6
 step "bench gemm"; python3 -m qmoe.cli bench gemm --models deepseek_v3,qwen3_235b_a22b,qwen3_30b_a3b,mixtral_8x7b \
-  --tokens 1,8,64,256,1024,4096 --iters 10 --out-dir "$OUT" > "$OUT/bench.log" 2>&1; echo "bench gemm rc=$?"
-step "bench moe"; python3 -m qmoe.cli bench moe --budget-ms 80 --out-dir "$OUT" >> "$OUT/bench.log" 2>&1
+  --tokens 1,8,64,256,1024,4096 --iters 10 --out-dir "$RES" > "$OUT/bench.log" 2>&1; echo "bench gemm rc=$?"
+step "bench moe"; python3 -m qmoe.cli bench moe --quant-mode ${QMOE_BENCH_MODES:-all} --budget-ms 80 --out-dir "$RES" >> "$OUT/bench.log" 2>&1
 echo "bench moe rc=$?"
 step "profile layer"; python3 bench/profile_layer.py >> "$OUT/bench.log" 2>&1; echo "profile rc=$?"
+tar -C "$RES" -cf "$OUT/results.tar" . && echo "results: $(ls "$RES" | tr '\n' ' ')"
 step done
