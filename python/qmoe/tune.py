@@ -357,11 +357,13 @@ def moe_mm_tactic(rows: int, n: int, k: int, num_experts: int, topk: int, per_ro
 
 
 def fused_moe_candidates(num_tokens: int, hidden: int, inter: int, gated: bool, num_local_experts: int,
-                         topk: int) -> list:
-    """Tactic names valid for both GEMMs of the fused op, in the compiled order."""
+                         topk: int, quant_mode: str = "w4a8_int4") -> list:
+    """Tactic names valid for both GEMMs of the fused op, in the compiled order (w4a8_int4: the W4A8
+    GEMM's tactics; the other modes: the bf16 x 4-bit GEMM's)."""
     rows = max(int(num_tokens), 1) * topk
-    gemm1 = _C.valid_tactics(2 * inter if gated else inter, hidden, rows, num_local_experts, topk)
-    gemm2 = set(_C.valid_tactics(hidden, inter, rows, num_local_experts, topk))
+    bf16 = quant_mode != "w4a8_int4"
+    gemm1 = _C.valid_tactics(2 * inter if gated else inter, hidden, rows, num_local_experts, topk, bf16)
+    gemm2 = set(_C.valid_tactics(hidden, inter, rows, num_local_experts, topk, bf16))
     return [t for t in gemm1 if t in gemm2]
 
 
@@ -373,7 +375,7 @@ def fused_moe_tactic(num_tokens: int, *, quant_mode: str, hidden: int, inter: in
     the problem sizes the C++ side uses (rows = T * top_k, experts = local experts)."""
     if _default.idle():
         return None
-    candidates = fused_moe_candidates(num_tokens, hidden, inter, gated, num_local_experts, topk)
+    candidates = fused_moe_candidates(num_tokens, hidden, inter, gated, num_local_experts, topk, quant_mode)
     key = fused_moe_key(num_tokens, quant_mode=quant_mode, hidden=hidden, inter=inter, num_experts=num_experts,
                         num_local_experts=num_local_experts, topk=topk, activation=activation,
                         gate_up_layout=gate_up_layout, deterministic=deterministic, x_dtype=x_dtype,

@@ -34,8 +34,10 @@ GateUpLayout layout_from_name(const std::string& name) {
   throw Error("gate_up_layout", "'gate_up' (SGLang) or 'up_gate_interleaved64' (FlashInfer)", "'" + name + "'");
 }
 
-GemmProblem problem_of(int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk) {
+GemmProblem problem_of(int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk,
+                       bool bf16_activations = false) {
   GemmProblem p;
+  p.bf16_activations = bf16_activations;
   p.n = n;
   p.k = k;
   p.total_rows = total_rows;
@@ -164,19 +166,21 @@ void bind_ops(nb::module_& m) {
 
   m.def(
       "select_tactic",
-      [](int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk) {
-        return select_tactic(problem_of(n, k, total_rows, num_experts, topk)).name();
+      [](int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk, bool bf16_activations) {
+        return select_tactic(problem_of(n, k, total_rows, num_experts, topk, bf16_activations)).name();
       },
-      nb::arg("n"), nb::arg("k"), nb::arg("total_rows"), nb::arg("num_experts"), nb::arg("topk") = 8);
+      nb::arg("n"), nb::arg("k"), nb::arg("total_rows"), nb::arg("num_experts"), nb::arg("topk") = 8,
+      nb::arg("bf16_activations") = false);
   m.def(
       "valid_tactics",
-      [](int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk) {
+      [](int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk, bool bf16_activations) {
         std::vector<std::string> names;
-        for (const Tactic& t : valid_tactics(problem_of(n, k, total_rows, num_experts, topk)))
+        for (const Tactic& t : valid_tactics(problem_of(n, k, total_rows, num_experts, topk, bf16_activations)))
           names.push_back(t.name());
         return names;
       },
-      nb::arg("n"), nb::arg("k"), nb::arg("total_rows"), nb::arg("num_experts"), nb::arg("topk") = 8);
+      nb::arg("n"), nb::arg("k"), nb::arg("total_rows"), nb::arg("num_experts"), nb::arg("topk") = 8,
+      nb::arg("bf16_activations") = false);
 
   nb::class_<LayerCall>(m, "LayerCall")
       .def(

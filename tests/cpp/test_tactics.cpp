@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "qmoe/error.h"
 #include "qmoe/tactics.h"
@@ -104,6 +105,29 @@ TEST(Tactics, UnknownNameThrows) {
       EXPECT_NE(std::string(e.what()).find("decode_m128_n8_k256"), std::string::npos);
     }
   }
+}
+
+// The bf16 x 4-bit GEMM (fused w4a16 / w4a16_int4 / w4a4 / w4a8) has its own compiled list, accepts
+// K % 32 == 0 (FP4 weights: gpt-oss's 2880) and never picks a WGMMA W4A8 tactic.
+TEST(Tactics, Bf16KernelList) {
+  qmoe::GemmProblem p;
+  p.n = 4096;
+  p.k = 2880;
+  p.num_experts = 128;
+  p.topk = 4;
+  p.total_rows = 4;
+  EXPECT_TRUE(qmoe::valid_tactics(p).empty());  // the W4A8 GEMM needs K % 128 == 0
+  p.bf16_activations = true;
+  std::vector<std::string> names;
+  for (const auto& t : qmoe::valid_tactics(p)) names.push_back(t.name());
+  EXPECT_EQ(names, (std::vector<std::string>{"decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128"}));
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
+  p.total_rows = 128 * 20;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
+  p.total_rows = 128 * 200;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "prefill_m128_n64_k128");
+  p.k = 2880 + 16;  // not a multiple of 32
+  EXPECT_TRUE(qmoe::valid_tactics(p).empty());
 }
 
 }  // namespace

@@ -20,6 +20,7 @@ from qmoe import testing
 from qmoe.compat import flashinfer, sgl_kernel
 
 TACTICS = list(_C.valid_tactics(256, 256, 64, 8))
+BF16_TACTICS = list(_C.valid_tactics(256, 256, 64, 8, 8, True))  # the bf16 x 4-bit GEMM's
 META = {"library": "qmoe", "qmoe_version": qmoe.__version__, "format": 1, "gpu": "Fake GPU H999",
         "cuda_runtime": "99.9", "tactics": TACTICS}
 
@@ -461,6 +462,10 @@ def test_fused_moe_hook_candidates_and_key():
     assert list(tuner.entries()) == [f"fused_moe::{key}"]
     assert tune.fused_moe_candidates(9, 256, 128, True, 8, 2) == TACTICS
     assert tune.fused_moe_candidates(9, 256, 100, True, 8, 2) == []  # GEMM2's K = 100 is not a multiple of 128
+    # The FP4 / w4a16 modes run the bf16 x 4-bit GEMM: its own list, K % 32 == 0 suffices.
+    assert tune.fused_moe_candidates(9, 256, 96, True, 8, 2, "w4a4") == BF16_TACTICS
+    assert tune.fused_moe_candidates(9, 256, 96, True, 8, 2) == []
+    assert tune.fused_moe_candidates(9, 256, 100, True, 8, 2, "w4a16") == []
 
 
 def test_wrapper_get_valid_tactics():
@@ -468,7 +473,17 @@ def test_wrapper_get_valid_tactics():
     assert cuda.get_valid_tactics() == TACTICS
     assert flashinfer.CuteDslMoEWrapper(8, 2, 256, 128, quant_mode="w4a8_int4", device="cpu").get_valid_tactics() \
         == ["reference"]
-    assert flashinfer.CuteDslMoEWrapper(8, 2, 256, 128, quant_mode="w4a4").get_valid_tactics() == ["reference"]
+    assert flashinfer.CuteDslMoEWrapper(8, 2, 256, 128, quant_mode="w4a4").get_valid_tactics() == BF16_TACTICS
+    assert flashinfer.CuteDslMoEWrapper(8, 2, 256, 128, quant_mode="w4a4", device="cpu").get_valid_tactics() \
+        == ["reference"]
+
+
+def test_bf16_kernel_tactics_are_their_own_list():
+    assert BF16_TACTICS == ["decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128"]
+    assert qmoe.select_tactic(4096, 7168, 8, 256, bf16_activations=True) == "decode_m128_n8_k256"
+    assert qmoe.select_tactic(4096, 7168, 4096 * 8, 256, bf16_activations=True) == "prefill_m128_n64_k128"
+    assert qmoe.valid_tactics(4096, 2880, 8, 128, bf16_activations=True) == BF16_TACTICS  # K % 32 == 0
+    assert qmoe.valid_tactics(4096, 2880, 8, 128) == []  # the W4A8 GEMM needs K % 128 == 0
 
 
 def test_idle_tuner_fast_path(monkeypatch):

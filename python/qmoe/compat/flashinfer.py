@@ -141,14 +141,13 @@ class CuteDslMoEWrapper:
                             use_fused_finalize=use_fused_finalize)
 
     def get_valid_tactics(self):
-        """Tactic names usable by run(): for 'w4a8_int4' on a CUDA device, the GEMM tactics valid for
-        both GEMMs of this layer (qmoe.valid_tactics); otherwise the single 'reference', which forces
-        nothing: the CPU backend, or on a CUDA device the C++ heuristic's choice for the bf16 x 4-bit
-        GEMMs of w4a4 / w4a8 / w4a16 (their tactic list is not exposed to Python yet)."""
-        if self.quant_mode == "w4a8_int4" and str(self.device).startswith("cuda"):
+        """Tactic names usable by run(): on a CUDA device, the GEMM tactics valid for both GEMMs of
+        this layer (qmoe.valid_tactics; the W4A8 GEMM's for 'w4a8_int4', the bf16 x 4-bit GEMM's for
+        the other modes); on the CPU backend the single 'reference', which forces nothing."""
+        if str(self.device).startswith("cuda"):
             gated = self.activation != "relu2"
             return tune.fused_moe_candidates(self.max_num_tokens or 1, self.hidden_size, self.intermediate_size,
-                                             gated, self.num_local_experts, self.top_k)
+                                             gated, self.num_local_experts, self.top_k, self.quant_mode)
         return ["reference"]
 
     def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
