@@ -17,7 +17,7 @@ step "pytest (gpu)"
 QMOE_SKIP_BUILD=1 bash scripts/gpu_tests.sh ${QMOE_PYTEST_ARGS:-} \
   > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; grep -E "^FAILED|passed|failed|summary" -A3 "$OUT/gpu_tests.log" | tail -12
 step "gemm checks"; {
-  bash tests/gpu/build_w4a8_check.sh build/w4a8_check && build/w4a8_check
+  bash tests/gpu/build_w4a8_check.sh build/w4a8_check && build/w4a8_check --bench
   echo "w4a8 gemm check rc=$?"
   bash tests/gpu/build_w4a8_check.sh build/bf16_w4_check tests/gpu/bf16_w4_gemm_check.cu && build/bf16_w4_check --bench
   echo "bf16 x 4-bit gemm check rc=$?"

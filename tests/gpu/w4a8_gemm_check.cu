@@ -7,7 +7,7 @@
 // to the poison. Both scale layouts (K % 512 == 0 -> [E, K/512, 4N], else [E, K/128, N]), per-tensor
 // and per-row a_scales, N not a multiple of the tile, E = 1024.
 // Timing (--bench): DeepSeek-V3 GEMM1 (N 4096, K 7168) and GEMM2 (N 7168, K 2048), E 256, top-8
-// uniform routing, T in {1, 8, 64, 256, 4096}, every compiled tactic: CUDA events around each launch
+// uniform routing, T in {1, 8, 64, 256, 1024, 2048, 4096}, every compiled tactic: CUDA events around each launch
 // through the validating API (3 warm-ups, median of 20) and around 32 back-to-back launcher calls
 // (the table uses the latter with QMOE_BENCH_BATCH=1); routings rotated (different experts each
 // launch, weights of all 256 experts >> L2). Filters: QMOE_BENCH_GEMM, QMOE_BENCH_T,
@@ -221,7 +221,8 @@ double sglang_us(int gemm, int t) {  // shared/peers/h200-w4a8-grouped-gemm.md, 
 
 void bench(std::vector<BenchRow>& rows_out) {
   const int64_t E = 256, topk = 8;
-  const int ts[] = {1, 8, 64, 256, 4096};
+  // 1024 and 2048 tokens: 32 and 64 rows per expert, where the mma.sync and WGMMA 64-token tiles compete.
+  const int ts[] = {1, 8, 64, 256, 1024, 2048, 4096};
   const int64_t shapes[2][2] = {{4096, 7168}, {7168, 2048}};
   constexpr int kRoutings = 8, kWarmup = 3, kIters = 20;
   // Optional filters (profiling): QMOE_BENCH_GEMM=1|2, QMOE_BENCH_T=<tokens>, QMOE_BENCH_TACTIC=<name>.
