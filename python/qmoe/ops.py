@@ -63,16 +63,24 @@ def _layer_call(quant_mode, x, x_scale, topk_ids, topk_weights, w1, w1_scale, w1
         bool(deterministic), float(routed_scaling_factor), tactic or "")
 
 
+def _describe(t) -> str:
+    if not is_torch(t):
+        return type(t).__name__
+    return f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)} on {t.device}" + ("" if t.is_contiguous() else " (non-contiguous)")
+
+
 def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mode, num_experts,
               x_scale=None, w1_alpha=None, w2_alpha=None, fc2_input_scale=None, per_token_scale=None,
               num_local_experts=None, local_expert_offset=0, activation="swiglu", swiglu_alpha=1.0,
               swiglu_beta=0.0, swiglu_limit=math.inf, situ_beta=1.0, situ_linear_beta=None,
               gate_up_layout="gate_up", deterministic=False, routed_scaling_factor=1.0,
-              output_dtype="bfloat16", out=None, tactic=None):
+              output_dtype="bfloat16", out=None, tactic=None, workspace=None):
     """One MoE layer: out[t] = rsf * sum_j w[t,j] * alpha2 * W2 . requant(act(alpha1 * W13 . x[t])).
 
     See include/qmoe/fused_moe.h for the tensors of each quant_mode. `out` ([T, H]) is written,
-    never accumulated into. Returns the output tensor.
+    never accumulated into. Returns the output tensor. `workspace` (CUDA tensors only): a uint8
+    CUDA tensor of at least _C.fused_moe_workspace_size bytes to use instead of allocating one
+    (CuteDslMoEWrapper(use_cuda_graph=True) passes its pre-allocated buffer).
     """
     if quant_mode not in QUANT_MODES:
         raise ValueError(f"qmoe: argument 'quant_mode': expected one of {QUANT_MODES}, got {quant_mode!r}")
@@ -94,7 +102,9 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
                        w2, w2_scale, w2_alpha, per_token_scale, (out, "out"), num_experts, num_local_experts,
                        local_expert_offset, activation, swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta,
                        situ_linear_beta, gate_up_layout, deterministic, routed_scaling_factor, tactic)
-    workspace = None
+    if workspace is not None and not (is_torch(x) and x.is_cuda):
+        raise ValueError("qmoe: argument 'workspace': expected None for CPU tensors (the CPU engine "
+                         f"allocates its own scratch), got {_describe(workspace)}")
     if is_torch(x) and x.is_cuda:
         # Scratch of the GPU pipeline (exact size from C++; validates the call first). Allocated by
         # torch's caching allocator on x's device: cheap per call, and inside a CUDA-graph capture
@@ -102,13 +112,18 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
         import torch
 
         nbytes = _C.fused_moe_workspace_size(call)
-        if nbytes > 0:
+        if workspace is not None:
+            if not (is_torch(workspace) and workspace.is_cuda and workspace.dtype == torch.uint8
+                    and workspace.device == x.device and workspace.is_contiguous()
+                    and workspace.numel() >= nbytes):
+                raise ValueError(f"qmoe: argument 'workspace': expected a contiguous uint8 tensor on {x.device} "
+                                 f"of at least {nbytes} bytes, got {_describe(workspace)}")
+        elif nbytes > 0:
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-        if not tactic and quant_mode == "w4a8_int4" and _C.kernels_built():
+        if not tactic and _C.kernels_built():
             # No forced tactic: the autotuner's cached winner, or inside autotune() the fastest
-            # tactic timed now on this call's own tensors; None keeps the C++ heuristic. The other
-            # modes run the bf16 x 4-bit GEMMs, whose tactics the tuner does not enumerate yet: the
-            # C++ heuristic picks theirs.
+            # tactic timed now on this call's own tensors (the W4A8 GEMM's tactics for w4a8_int4,
+            # the bf16 x 4-bit GEMM's for the other modes); None keeps the C++ heuristic.
             from . import tune
 
             chosen = tune.fused_moe_tactic(

@@ -4,6 +4,7 @@ sequence built from get_cutlass_w4a8_moe_mm_data + cutlass_w4a8_moe_mm, both aga
 import numpy as np
 import pytest
 
+import qmoe
 from qmoe import reference as ref
 from qmoe import testing
 from qmoe.compat import flashinfer, sgl_kernel
@@ -102,3 +103,17 @@ def test_sglang_moe_layer_call_sequence(tokens, experts, top_k, hidden, inter):
     out = (weights[:, :, None] * rows).sum(axis=1)
     # SGLang rounds GEMM1's output to bf16 before SiLU (qmoe's fused path does not): 3e-2 covers it.
     testing.assert_close(out, ref.fused_moe(**case, deterministic=True), "w4a8_int4", tol=3e-2)
+
+
+def test_wrapper_graph_mode_needs_max_num_tokens():
+    for bad in (None, 0):
+        with pytest.raises(ValueError, match="max_num_tokens"):
+            flashinfer.CuteDslMoEWrapper(8, 2, 256, 128, use_cuda_graph=True, max_num_tokens=bad, device="cuda")
+    # CPU backend: nothing to pre-allocate, no error
+    flashinfer.CuteDslMoEWrapper(8, 2, 256, 128, use_cuda_graph=True, device="cpu")
+
+
+def test_workspace_is_refused_for_cpu_tensors():
+    case = testing.make_fused_moe_case("w4a16", 3, 256, 128, 8, 2, seed=12)
+    with pytest.raises(ValueError, match="'workspace'"):
+        qmoe.fused_moe(**case, workspace=np.zeros(1 << 20, np.uint8))

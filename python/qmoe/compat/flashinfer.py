@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from .. import ops, tune
+from .. import _C, ops, tune
 from .._tensors import is_torch
 
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -90,8 +90,9 @@ def cute_dsl_fused_moe(x, x_sf, token_selected_experts, token_final_scales, w1_w
                        use_fused_finalize=True, moe_output=None, aux_stream=None, enable_pdl=True,
                        activation_type=ActivationType.Swiglu, swiglu_alpha=1.0, swiglu_beta=0.0,
                        swiglu_limit=FLT_MAX, situ_beta=None, situ_linear_beta=None, *, quant_mode="w4a4",
-                       per_token_scale=None, tactic=None):
-    """FlashInfer's seed signature. Returns the [num_tokens, hidden] output (moe_output if given)."""
+                       per_token_scale=None, tactic=None, workspace=None):
+    """FlashInfer's seed signature. Returns the [num_tokens, hidden] output (moe_output if given).
+    workspace (qmoe extension): pre-allocated scratch (qmoe.fused_moe's `workspace`)."""
     mode = _quant_mode(quant_mode)
     activation = _activation(activation_type, situ_beta, situ_linear_beta)
     if len(getattr(token_selected_experts, "shape", ())) != 2 or token_selected_experts.shape[1] != top_k:
@@ -112,7 +113,7 @@ def cute_dsl_fused_moe(x, x_sf, token_selected_experts, token_final_scales, w1_w
            if activation == "swiglu" else {}),
         situ_beta=1.0 if situ_beta is None else situ_beta, situ_linear_beta=situ_linear_beta,
         gate_up_layout=layout, deterministic=not use_fused_finalize, output_dtype=output_dtype, out=moe_output,
-        tactic=None if tactic is None else str(tactic))
+        tactic=None if tactic is None else str(tactic), workspace=workspace)
 
 
 class CuteDslMoEWrapper:
@@ -136,6 +137,24 @@ class CuteDslMoEWrapper:
         self.output_dtype, self.device, self.enable_pdl = output_dtype, device, enable_pdl
         self.quant_mode = _quant_mode(quant_mode)
         self.activation = _activation(activation_type, situ_beta, situ_linear_beta)
+        # use_cuda_graph: scratch and output for max_num_tokens allocated once, here, so that run()
+        # allocates nothing and graphs captured for several token counts share the same buffers
+        # (replays see new routing and inputs written in place).
+        self._workspace = self._output = None
+        if self.use_cuda_graph and str(device).startswith("cuda"):
+            if not max_num_tokens or int(max_num_tokens) < 1:
+                raise ValueError("qmoe: argument 'max_num_tokens': expected a positive token count with "
+                                 f"use_cuda_graph=True (buffers are sized for it), got {max_num_tokens!r}")
+            import torch
+
+            gated = self.activation != "relu2"
+            nbytes = _C.fused_moe_workspace_bound(self.quant_mode, int(max_num_tokens), self.top_k,
+                                                  self.num_local_experts, self.hidden_size, self.intermediate_size,
+                                                  gated)
+            self._workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            out_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+                str(output_dtype).replace("torch.", ""), output_dtype)
+            self._output = torch.empty((int(max_num_tokens), self.hidden_size), dtype=out_dtype, device=device)
         self._config = dict(activation_type=activation_type, swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta,
                             swiglu_limit=swiglu_limit, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                             use_fused_finalize=use_fused_finalize)
@@ -156,13 +175,20 @@ class CuteDslMoEWrapper:
         if w2_weight.shape[1] != self.hidden_size:
             raise ValueError(f"qmoe: argument 'w2_weight': expected hidden size {self.hidden_size} in dim 1, "
                              f"got shape {tuple(w2_weight.shape)}")
+        if self._output is not None:
+            tokens = token_selected_experts.shape[0]
+            if tokens > self._output.shape[0]:
+                raise ValueError(f"qmoe: argument 'token_selected_experts': expected at most max_num_tokens="
+                                 f"{self._output.shape[0]} tokens (use_cuda_graph=True), got {tokens}")
+            if moe_output is None:
+                moe_output = self._output[:tokens]
         return cute_dsl_fused_moe(
             x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha, fc2_input_scale,
             w2_weight, w2_weight_sf, w2_alpha, self.num_experts, self.top_k,
             num_local_experts=self.num_local_experts, local_expert_offset=self.local_expert_offset,
             output_dtype=self.output_dtype, moe_output=moe_output, enable_pdl=self.enable_pdl,
             quant_mode=self.quant_mode, per_token_scale=per_token_scale,
-            tactic=None if tactic in (None, "reference") else tactic, **self._config)
+            tactic=None if tactic in (None, "reference") else tactic, workspace=self._workspace, **self._config)
 
 
 # FlashInfer's `with autotune(True, cache=path): ...` is qmoe's autotuner itself (qmoe/tune.py):

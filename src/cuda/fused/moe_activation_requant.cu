@@ -22,11 +22,24 @@
 // (the reference evaluates in fp64 and rounds once: a last-bit difference can flip a bf16 / e4m3 /
 // e2m1 code now and then, far inside the tolerances).
 // Rows r >= expert_offsets[E_l] (read on the device) are neither read nor written.
+//
+// Mapping (decode has T*k = 8 rows): rows x column-chunks (fused_moe_common.cuh), each thread 8
+// consecutive features i0..i0+7 (i0 % 8 == 0): their gate and up columns are contiguous in both
+// layouts (an interleaved 64-group holds whole chunks), so h is read with 16-byte loads and A2
+// written with one 8-byte (e4m3) or 16-byte (bf16) store. An NVFP4 block (16) is 2 adjacent
+// lanes, an MX block (32) 4, reduced with shuffles; max is order-free, so the codes are those of
+// any other reduction order. The per-token NVFP4 mode needs the row amax first: one CTA per row.
+// Limits: vector path when I % 8 == 0 (all GPU modes: I % 32 or % 128); activation_requant keeps a
+// one-feature-at-a-time path otherwise, activation_requant_bf16 requires I % 32 == 0 (caller checks).
+// Arithmetic per feature is unchanged (same activation function, IEEE divisions, same codecs).
 #include <cuda_runtime.h>
+
+#include <string>
 
 #include "cuda/fused/fused_moe_common.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/launch.h"
+#include "qmoe/error.h"
 #include "qmoe/formats.h"
 #include "reference/activations.h"
 
@@ -34,26 +47,60 @@ namespace qmoe::cuda::fused {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 4096;
+constexpr int kThreads = 128;  // 128 threads x 8 features = 1024 features of a row per CTA
+constexpr int kVec = 8;
+// activation_amax: rows per grid pass, bounding the same-address atomics (one per warp and CTA).
+constexpr int64_t kAmaxMaxGridRows = 1024;
 
-__device__ __forceinline__ float activation_of(const ActivationArgs& a, const float* h_row, int64_t inter, int64_t i) {
-  if (a.activation == Activation::kRelu2) return activation::relu2<float>(h_row[i]);
-  int64_t gate, up;
-  if (a.layout == GateUpLayout::kGateUp) {
-    gate = i;
-    up = inter + i;
-  } else {
-    up = 128 * (i / 64) + i % 64;
-    gate = up + 64;
-  }
-  const float g = h_row[gate], u = h_row[up];
+// The gated activation of one feature from its gate and up values.
+__device__ __forceinline__ float gated_value(const ActivationArgs& a, float g, float u) {
   switch (a.activation) {
     case Activation::kSwiglu: return activation::swiglu<float>(g, u, a.swiglu_alpha, a.swiglu_beta, a.swiglu_limit);
     case Activation::kGegluTanh: return activation::geglu_tanh<float>(g, u);
-    default:
-      return activation::situ<float>(g, u, a.situ_beta, a.has_situ_linear_beta, a.situ_linear_beta);
+    default: return activation::situ<float>(g, u, a.situ_beta, a.has_situ_linear_beta, a.situ_linear_beta);
   }
+}
+
+// Column of h holding the up value of feature i (gate = up + gate_offset).
+__device__ __forceinline__ int64_t up_column(const ActivationArgs& a, int64_t inter, int64_t i, int64_t* gate) {
+  if (a.layout == GateUpLayout::kGateUp) {
+    *gate = i;
+    return inter + i;
+  }
+  const int64_t up = 128 * (i / 64) + i % 64;
+  *gate = up + 64;
+  return up;
+}
+
+// act(h_row)[i], one feature.
+__device__ __forceinline__ float activation_of(const ActivationArgs& a, const float* h_row, int64_t inter, int64_t i) {
+  if (a.activation == Activation::kRelu2) return activation::relu2<float>(h_row[i]);
+  int64_t gate;
+  const int64_t up = up_column(a, inter, i, &gate);
+  return gated_value(a, h_row[gate], h_row[up]);
+}
+
+__device__ __forceinline__ void load8(const float* p, float (&v)[kVec]) {
+  const float4 lo = reinterpret_cast<const float4*>(p)[0], hi = reinterpret_cast<const float4*>(p)[1];
+  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+}
+
+// v[j] = act(h_row)[i0 + j], j < 8: i0 % 8 == 0, I % 8 == 0, h_row 16-byte aligned.
+__device__ __forceinline__ void activation8(const ActivationArgs& a, const float* h_row, int64_t inter, int64_t i0,
+                                            float (&v)[kVec]) {
+  if (a.activation == Activation::kRelu2) {
+    load8(h_row + i0, v);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[j] = activation::relu2<float>(v[j]);
+    return;
+  }
+  int64_t gate;
+  const int64_t up = up_column(a, inter, i0, &gate);
+  float g[kVec];
+  load8(h_row + gate, g);
+  load8(h_row + up, v);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) v[j] = gated_value(a, g[j], v[j]);
 }
 
 struct RequantArgs {
@@ -70,65 +117,103 @@ struct RequantArgs {
   float* s2;
 };
 
-// One block per row (grid-stride over rows). kAmaxOnly: reduce max |v| into amax_out, write nothing else.
-template <bool kAmaxOnly>
+// kAmaxOnly: reduce max |v| into amax_out, write nothing else. kVectorized: I % 8 == 0, h 16-byte
+// and a_out 8-byte aligned; else the thread's 8 features one at a time (those < I).
+template <bool kAmaxOnly, bool kVectorized>
 __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const RequantArgs p) {
   const RowRouting& rt = p.routing;
   const int64_t valid_rows = rt.expert_offsets[rt.num_local];
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
   const int64_t I = p.inter;
+  const int64_t i0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kVec;
   uint32_t m = 0;
   float a2 = 1.0f;
   if (!kAmaxOnly) a2 = p.a2_static != nullptr ? p.a2_static[0] : dynamic_fp8_scale(*p.amax_in);
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const float* h_row = p.h + r * p.rows1;
-    if (kAmaxOnly) {
-      for (int64_t i = threadIdx.x; i < I; i += blockDim.x) {
-        const uint32_t b = abs_bits(activation_of(p.act, h_row, I, i));
-        m = b > m ? b : m;
-      }
+    if (!kAmaxOnly && blockIdx.x == 0 && threadIdx.x == 0) {
+      const int32_t slot = rt.input_permutation[r];
+      const int32_t e = slot >= 0 ? rt.local_ids[slot] : 0;
+      p.s2[r] = a2 * (p.w2_alpha != nullptr ? p.w2_alpha[e] : 1.0f);
+    }
+    if (i0 >= I) continue;  // no barrier below: the commit after the loop is reached by all
+    float v[kVec];
+    if constexpr (kVectorized) {
+      activation8(p.act, h_row, I, i0, v);
     } else {
-      if (threadIdx.x == 0) {
-        const int32_t slot = rt.input_permutation[r];
-        const int32_t e = slot >= 0 ? rt.local_ids[slot] : 0;
-        p.s2[r] = a2 * (p.w2_alpha != nullptr ? p.w2_alpha[e] : 1.0f);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[j] = i0 + j < I ? activation_of(p.act, h_row, I, i0 + j) : 0.0f;
+    }
+    if constexpr (kAmaxOnly) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) m = abs_bits(v[j]) > m ? abs_bits(v[j]) : m;
+    } else {
+      uint8_t* dst = p.a_out + r * I + i0;
+      if constexpr (kVectorized) {
+        float q[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) q[j] = __fdiv_rn(v[j], a2);  // IEEE division, as the reference
+        *reinterpret_cast<uint2*>(dst) = make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
+      } else {
+        for (int j = 0; j < kVec && i0 + j < I; ++j) dst[j] = e4m3_of(__fdiv_rn(v[j], a2));
       }
-      uint8_t* dst = p.a_out + r * I;
-      for (int64_t i = threadIdx.x; i < I; i += blockDim.x)
-        dst[i] = float_to_e4m3(activation_of(p.act, h_row, I, i) / a2);
     }
   }
   if (kAmaxOnly) block_amax_commit(m, p.amax_out);  // every thread reaches this
 }
 
 // ---- bf16 intermediate (activation_requant_bf16) ------------------------------------------------
-// Threads walk i = tid, tid + 256, ...; with I % 32 == 0 the loop condition is the same for all 32
-// lanes of a warp, so the lanes of a warp hold features [32w, 32w + 32) of one pass: an NVFP4 block
-// is a half warp and an MX block a whole warp, reduced with full-warp shuffles.
+// Thread x of a row holds features [8x, 8x + 8): an NVFP4 block is lanes {2b, 2b+1}, an MX block
+// lanes {4b, .., 4b+3} (CTAs hold 1024 features, a multiple of 32, so blocks never straddle CTAs;
+// I % 32 == 0, so a block's lanes are all inside the row or all outside it). Lanes outside the row
+// still take part in the shuffles (with zeros) and store nothing.
 
-// max |v| bits over the 16 lanes of this half warp (NaN propagates as in block_amax_commit).
-__device__ __forceinline__ float half_warp_amax(float v) {
-  uint32_t m = abs_bits(v);
+// max of the |v| bits over the thread's 8 values and its `lanes` - 1 neighbours (lanes = 2 or 4).
+template <int kLanes>
+__device__ __forceinline__ float group_amax(const float (&v)[kVec]) {
+  uint32_t m = 0;
 #pragma unroll
-  for (int offset = 8; offset > 0; offset >>= 1) {
+  for (int j = 0; j < kVec; ++j) m = abs_bits(v[j]) > m ? abs_bits(v[j]) : m;
+#pragma unroll
+  for (int offset = 1; offset < kLanes; offset <<= 1) {
     const uint32_t o = __shfl_xor_sync(0xffffffffu, m, offset);
     m = o > m ? o : m;
   }
   return __uint_as_float(m);
 }
 
-// The reference's nvfp4_block for one element of a 16-lane block: md = e2m1(v * gs / sf) * sf.
-__device__ __forceinline__ float nvfp4_dequant(float v, float gs) {
-  const float sf = e4m3_to_float(float_to_e4m3(gs * half_warp_amax(v) / 6.0f));
-  const float q = sf == 0.0f ? 0.0f : e2m1_to_float(float_to_e2m1(v * gs / sf));
-  return q * sf;
+// The reference's nvfp4_block over the 16-feature block of the thread: md = e2m1(v * gs / sf) * sf.
+__device__ __forceinline__ void nvfp4_dequant(float (&v)[kVec], float gs) {
+  const float sf = e4m3_to_float(e4m3_of(gs * group_amax<2>(v) / 6.0f));
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const float q = sf == 0.0f ? 0.0f : e2m1_to_float(float_to_e2m1(v[j] * gs / sf));
+    v[j] = q * sf;
+  }
 }
 
-// The reference's mxfp8_block for one element of a 32-lane block: md = e4m3(v / s) * s.
-__device__ __forceinline__ float mxfp8_dequant(float v) {
-  const uint32_t amax = __reduce_max_sync(0xffffffffu, abs_bits(v));
-  const float s = ue8m0_to_float(ue8m0_ceil(__uint_as_float(amax) / 448.0f));
-  return e4m3_to_float(float_to_e4m3(v / s)) * s;
+// The reference's mxfp8_block over the 32-feature block of the thread: md = e4m3(v / s) * s.
+__device__ __forceinline__ void mxfp8_dequant(float (&v)[kVec]) {
+  const float s = ue8m0_to_float(ue8m0_ceil(group_amax<4>(v) / 448.0f));
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) v[j] = e4m3_to_float(e4m3_of(v[j] / s)) * s;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  return static_cast<uint32_t>(float_to_bf16(lo)) | (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
+}
+__device__ __forceinline__ void store_bf16x8(uint16_t* dst, const float (&v)[kVec]) {
+  *reinterpret_cast<uint4*>(dst) =
+      make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
+}
+__device__ __forceinline__ void load_bf16x8(const uint16_t* src, float (&v)[kVec]) {
+  const uint4 in = *reinterpret_cast<const uint4*>(src);
+  const uint32_t w[4] = {in.x, in.y, in.z, in.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    v[2 * j] = __uint_as_float(w[j] << 16);
+    v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+  }
 }
 
 struct RequantBf16Args {
@@ -143,58 +228,78 @@ struct RequantBf16Args {
   float* s2;
 };
 
-// One block per row (grid-stride over rows).
+__device__ __forceinline__ float w2_alpha_of(const RequantBf16Args& p, int64_t r) {
+  const int32_t slot = p.routing.input_permutation[r];
+  const int32_t e = slot >= 0 ? p.routing.local_ids[slot] : 0;
+  return p.w2_alpha != nullptr ? p.w2_alpha[e] : 1.0f;
+}
+
+// kBf16, kNvfp4, kMxfp8: rows x column-chunks.
 template <Bf16Requant kMode>
 __global__ void __launch_bounds__(kThreads) activation_requant_bf16_kernel(const RequantBf16Args p) {
   const RowRouting& rt = p.routing;
   const int64_t valid_rows = rt.expert_offsets[rt.num_local];
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
   const int64_t I = p.inter;
-  constexpr bool kNvfp4 = kMode == Bf16Requant::kNvfp4 || kMode == Bf16Requant::kNvfp4PerToken;
-  const float fc2 = kNvfp4 ? p.fc2_input_scale[0] : 1.0f;
-  __shared__ uint32_t warp_amax[kThreads / 32];  // kNvfp4PerToken: the row amax
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+  const int64_t i0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kVec;
+  const bool active = i0 < I;
+  const float fc2 = kMode == Bf16Requant::kNvfp4 ? p.fc2_input_scale[0] : 1.0f;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {  // uniform over the CTA: shuffles below are safe
+    if (blockIdx.x == 0 && threadIdx.x == 0) p.s2[r] = w2_alpha_of(p, r);
+    float v[kVec] = {};
+    if (active) activation8(p.act, p.h + r * p.rows1, I, i0, v);
+    if constexpr (kMode == Bf16Requant::kNvfp4) nvfp4_dequant(v, fc2);
+    if constexpr (kMode == Bf16Requant::kMxfp8) mxfp8_dequant(v);
+    if (active) store_bf16x8(p.a_out + r * I + i0, v);
+  }
+}
+
+// kNvfp4PerToken: one CTA per row (blockIdx.y), the CTA walks the row 1024 features per pass.
+// Pass 1: b = bf16(v) into A2 and the row amax of |b|. Pass 2 re-reads each thread's own chunks
+// (same thread, same addresses: program order makes them visible) and writes md over them.
+__global__ void __launch_bounds__(kThreads) activation_requant_per_token_kernel(const RequantBf16Args p) {
+  const RowRouting& rt = p.routing;
+  const int64_t valid_rows = rt.expert_offsets[rt.num_local];
+  const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
+  const int64_t I = p.inter;
+  const float fc2 = p.fc2_input_scale[0];
+  __shared__ uint32_t warp_amax[kThreads / 32];
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const float* h_row = p.h + r * p.rows1;
     uint16_t* dst = p.a_out + r * I;
-    const int32_t slot = rt.input_permutation[r];
-    const int32_t e = slot >= 0 ? rt.local_ids[slot] : 0;
-    const float w2a = p.w2_alpha != nullptr ? p.w2_alpha[e] : 1.0f;
-    if constexpr (kMode == Bf16Requant::kNvfp4PerToken) {
-      // Pass 1: b = bf16(v) into A2 and its row amax. Pass 2 re-reads each thread's own elements
-      // (same thread, same addresses: program order makes them visible) and writes md over them.
-      uint32_t m = 0;
-      for (int64_t i = threadIdx.x; i < I; i += blockDim.x) {
-        const uint16_t b = float_to_bf16(activation_of(p.act, h_row, I, i));
-        dst[i] = b;
-        const uint32_t bits = abs_bits(bf16_to_float(b));
+    uint32_t m = 0;
+    for (int64_t i0 = threadIdx.x * kVec; i0 < I; i0 += kThreads * kVec) {
+      float v[kVec];
+      activation8(p.act, h_row, I, i0, v);
+      store_bf16x8(dst + i0, v);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const uint32_t bits = abs_bits(round_bf16(v[j]));
         m = bits > m ? bits : m;
       }
-      m = __reduce_max_sync(0xffffffffu, m);
-      if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x / 32] = m;
-      __syncthreads();
-      uint32_t row_bits = 0;
+    }
+    m = __reduce_max_sync(0xffffffffu, m);
+    if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x / 32] = m;
+    __syncthreads();
+    uint32_t row_bits = 0;
 #pragma unroll
-      for (int w = 0; w < kThreads / 32; ++w) row_bits = warp_amax[w] > row_bits ? warp_amax[w] : row_bits;
-      __syncthreads();  // NOTE: warp_amax is rewritten for the block's next row
-      const float row_scale = __uint_as_float(row_bits) * fc2;
-      if (threadIdx.x == 0) p.s2[r] = row_scale == 0.0f ? 0.0f : w2a * row_scale;
-      if (row_scale == 0.0f) {  // block-uniform: the reference's zero row (md = 0, y = 0)
-        for (int64_t i = threadIdx.x; i < I; i += blockDim.x) dst[i] = 0;
-        continue;
-      }
-      const float gs = 1.0f / row_scale;
-      for (int64_t i = threadIdx.x; i < I; i += blockDim.x)
-        dst[i] = float_to_bf16(nvfp4_dequant(bf16_to_float(dst[i]), gs));
-    } else {
-      if (threadIdx.x == 0) p.s2[r] = w2a;
-      for (int64_t i = threadIdx.x; i < I; i += blockDim.x) {
-        const float v = activation_of(p.act, h_row, I, i);
-        float md;
-        if constexpr (kMode == Bf16Requant::kBf16) md = v;
-        else if constexpr (kMode == Bf16Requant::kNvfp4) md = nvfp4_dequant(v, fc2);
-        else md = mxfp8_dequant(v);
-        dst[i] = float_to_bf16(md);
-      }
+    for (int w = 0; w < kThreads / 32; ++w) row_bits = warp_amax[w] > row_bits ? warp_amax[w] : row_bits;
+    __syncthreads();  // NOTE: warp_amax is rewritten for the block's next row
+    const float row_scale = __uint_as_float(row_bits) * fc2;
+    if (threadIdx.x == 0) p.s2[r] = row_scale == 0.0f ? 0.0f : w2_alpha_of(p, r) * row_scale;
+    if (row_scale == 0.0f) {  // block-uniform: the reference's zero row (md = 0, y = 0)
+      for (int64_t i0 = threadIdx.x * kVec; i0 < I; i0 += kThreads * kVec)
+        *reinterpret_cast<uint4*>(dst + i0) = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    const float gs = 1.0f / row_scale;
+    // Uniform trip count (lanes past the row join the shuffles with zeros).
+    for (int64_t base = 0; base < I; base += kThreads * kVec) {
+      const int64_t i0 = base + threadIdx.x * kVec;
+      float v[kVec] = {};
+      if (i0 < I) load_bf16x8(dst + i0, v);
+      nvfp4_dequant(v, gs);
+      if (i0 < I) store_bf16x8(dst + i0, v);
     }
   }
 }
@@ -203,27 +308,42 @@ __global__ void __launch_bounds__(kThreads) activation_requant_bf16_kernel(const
 
 void activation_amax(const RowRouting& routing, const float* h, int64_t rows1, int64_t inter,
                      const ActivationArgs& act, uint32_t* amax_bits, cudaStream_t stream) {
-  if (routing.max_rows <= 0) return;
+  if (routing.max_rows <= 0 || inter <= 0) return;
   RequantArgs p{routing, h, rows1, inter, act, nullptr, nullptr, amax_bits, nullptr, nullptr, nullptr};
-  activation_requant_kernel<true><<<grid_for(routing.max_rows, kMaxBlocks), kThreads, 0, stream>>>(p);
+  const int64_t grid_rows = routing.max_rows < kAmaxMaxGridRows ? routing.max_rows : kAmaxMaxGridRows;
+  const dim3 grid = rows_by_chunks(grid_rows, inter, int64_t{kThreads} * kVec);
+  if (inter % kVec == 0 && aligned_to(h, 16) && rows1 % 4 == 0) {
+    activation_requant_kernel<true, true><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    activation_requant_kernel<true, false><<<grid, kThreads, 0, stream>>>(p);
+  }
   check_cuda(cudaGetLastError(), "launch of fused_moe activation_amax");
 }
 
 void activation_requant(const RowRouting& routing, const float* h, int64_t rows1, int64_t inter,
                         const ActivationArgs& act, const float* a2_static, const uint32_t* amax_bits,
                         const float* w2_alpha, uint8_t* a_out, float* s2, cudaStream_t stream) {
-  if (routing.max_rows <= 0) return;
+  if (routing.max_rows <= 0 || inter <= 0) return;
   RequantArgs p{routing, h, rows1, inter, act, a2_static, amax_bits, nullptr, w2_alpha, a_out, s2};
-  activation_requant_kernel<false><<<grid_for(routing.max_rows, kMaxBlocks), kThreads, 0, stream>>>(p);
+  const dim3 grid = rows_by_chunks(routing.max_rows, inter, int64_t{kThreads} * kVec);
+  if (inter % kVec == 0 && aligned_to(h, 16) && rows1 % 4 == 0 && aligned_to(a_out, 8)) {
+    activation_requant_kernel<false, true><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    activation_requant_kernel<false, false><<<grid, kThreads, 0, stream>>>(p);
+  }
   check_cuda(cudaGetLastError(), "launch of fused_moe activation_requant");
 }
 
 void activation_requant_bf16(const RowRouting& routing, const float* h, int64_t rows1, int64_t inter,
                              const ActivationArgs& act, Bf16Requant requant, const float* fc2_input_scale,
                              const float* w2_alpha, uint16_t* a_out, float* s2, cudaStream_t stream) {
-  if (routing.max_rows <= 0) return;
+  if (routing.max_rows <= 0 || inter <= 0) return;
+  // A caller bug, not a user error: fused_moe checks I % 32 == 0 for the GPU before anything runs.
+  if (inter % 32 != 0 || !aligned_to(h, 16) || rows1 % 4 != 0 || !aligned_to(a_out, 16))
+    throw Error("inter", "I % 32 == 0 and 16-byte aligned h / a_out (activation_requant_bf16)",
+                "I = " + std::to_string(inter), ErrorKind::kRuntime);
   const RequantBf16Args p{routing, h, rows1, inter, act, fc2_input_scale, w2_alpha, a_out, s2};
-  const unsigned grid = grid_for(routing.max_rows, kMaxBlocks);
+  const dim3 grid = rows_by_chunks(routing.max_rows, inter, int64_t{kThreads} * kVec);
   switch (requant) {
     case Bf16Requant::kBf16:
       activation_requant_bf16_kernel<Bf16Requant::kBf16><<<grid, kThreads, 0, stream>>>(p);
@@ -232,7 +352,7 @@ void activation_requant_bf16(const RowRouting& routing, const float* h, int64_t 
       activation_requant_bf16_kernel<Bf16Requant::kNvfp4><<<grid, kThreads, 0, stream>>>(p);
       break;
     case Bf16Requant::kNvfp4PerToken:
-      activation_requant_bf16_kernel<Bf16Requant::kNvfp4PerToken><<<grid, kThreads, 0, stream>>>(p);
+      activation_requant_per_token_kernel<<<dim3(1, grid.y), kThreads, 0, stream>>>(p);
       break;
     case Bf16Requant::kMxfp8:
       activation_requant_bf16_kernel<Bf16Requant::kMxfp8><<<grid, kThreads, 0, stream>>>(p);

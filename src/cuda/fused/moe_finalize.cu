@@ -19,9 +19,11 @@
 // __fadd_rn keep the compiler from contracting into FMAs, so each step rounds as the reference's
 // does. Every output element is written; a token without a kept slot gets 0.
 //
-// Mapping: one CTA per token (grid-stride over tokens); the token's k row pointers and weights are
-// resolved once into shared memory; threads walk the H features 8 at a time (16-byte loads) when H % 8
-// == 0 and the pointers are 16-byte aligned, else one at a time. Limits: top_k <= 16 (kMaxTopK).
+// Mapping: tokens x H-chunks (fused_moe_common.cuh; a decode step has 1-64 tokens, so one CTA per
+// token would leave the GPU idle): each thread owns 8 features of one token (16-byte row loads, one
+// 16-byte / 32-byte store) when H % 8 == 0 and y / out are 16-byte aligned, else one feature. It
+// reads its token's k permutation entries and weights itself and issues the loads of up to 8 slots'
+// rows together before summing them in slot order. Limits: top_k <= 16 (kMaxTopK).
 //
 // NOTE: the "fused" mode is a per-token gather with the reference's fused rounding order, so it
 // is deterministic too. Its products use GEMM2's bf16 row where the reference uses the fp32 y
@@ -32,6 +34,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/device_guard.h"
 #include "cuda/fused/fused_moe_common.cuh"
@@ -43,13 +46,19 @@ namespace qmoe::cuda::fused {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 8192;
-constexpr int kVec = 8;  // bf16 features per 16-byte load
+constexpr int kThreads = 128;  // x 8 features: 1024 features of a token per CTA (H = 7168: 7 CTAs)
+constexpr int kVec = 8;        // bf16 features per 16-byte load
 
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
   return __uint_as_float(static_cast<uint32_t>(b) << 16);
 }
+
+// Feature i of a loaded chunk: 8 bf16 in a uint4 (feature 2m in the low half of word m), or one.
+__device__ __forceinline__ float bf16_of(const uint4& b, int i) {
+  const uint32_t w = (i >> 1) == 0 ? b.x : (i >> 1) == 1 ? b.y : (i >> 1) == 2 ? b.z : b.w;
+  return __uint_as_float((i & 1) != 0 ? (w & 0xffff0000u) : (w << 16));
+}
+__device__ __forceinline__ float bf16_of(uint16_t b, int) { return bf16_bits_to_float(b); }
 
 // Rounding to the output type, and the store.
 __device__ __forceinline__ float round_out(float v, __nv_bfloat16*) { return __bfloat162float(__float2bfloat16_rn(v)); }
@@ -110,37 +119,47 @@ struct SlotRows {
   }
 };
 
+// blockIdx.y = token (grid-stride), blockIdx.x * kThreads + threadIdx.x = chunk of V features.
+// A thread resolves its token's slots itself (no shared memory, no barrier) and loads the rows of
+// kGroup slots before summing them, so those loads are in flight together; the sum still visits
+// the slots in order j = 0, 1, ..., k-1 with the reference's rounding steps.
 template <class OutT, bool kDeterministic, int V, class Rows>
 __global__ void __launch_bounds__(kThreads) finalize_kernel(Rows source, const float* __restrict__ topk_weights,
                                                             int64_t tokens, int topk, int64_t hidden, float rsf,
                                                             OutT* __restrict__ out) {
-  __shared__ const uint16_t* row_ptr[kMaxTopK];
-  __shared__ float weight[kMaxTopK];
-  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    if (static_cast<int>(threadIdx.x) < topk) {
-      const int64_t s = t * topk + threadIdx.x;
-      row_ptr[threadIdx.x] = source.row(s, hidden);
-      weight[threadIdx.x] = topk_weights[s];
-    }
-    __syncthreads();
-    OutT* out_row = out + t * hidden;
-    for (int64_t n = static_cast<int64_t>(threadIdx.x) * V; n < hidden; n += static_cast<int64_t>(blockDim.x) * V) {
-      float o[V];
+  constexpr int kGroup = 8;  // slots whose rows are loaded at once (kMaxTopK = 16: two groups at most)
+  using Bits = std::conditional_t<V == kVec, uint4, uint16_t>;
+  const int64_t n = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
+  if (n >= hidden) return;  // no barrier in this kernel
+  for (int64_t t = blockIdx.y; t < tokens; t += gridDim.y) {
+    float o[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) o[i] = 0.0f;
-      for (int j = 0; j < topk; ++j) {
-        const uint16_t* r = row_ptr[j];
-        if (r == nullptr) continue;
-        alignas(16) uint16_t bits[V];
-        if constexpr (V == kVec) {
-          *reinterpret_cast<uint4*>(bits) = *reinterpret_cast<const uint4*>(r + n);
-        } else {
-          bits[0] = r[n];
+    for (int i = 0; i < V; ++i) o[i] = 0.0f;
+    for (int j0 = 0; j0 < topk; j0 += kGroup) {
+      Bits bits[kGroup];
+      float weight[kGroup];
+      bool has_row[kGroup];
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        const int j = j0 + g;
+        const uint16_t* r = j < topk ? source.row(t * topk + j, hidden) : nullptr;
+        has_row[g] = r != nullptr;
+        weight[g] = j < topk ? topk_weights[t * topk + j] : 0.0f;
+        if (has_row[g]) {
+          if constexpr (V == kVec) {
+            bits[g] = *reinterpret_cast<const uint4*>(r + n);
+          } else {
+            bits[g] = r[n];
+          }
         }
-        const float w = weight[j];
+      }
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        if (!has_row[g]) continue;  // a slot without a row is skipped (never added as 0)
+        const float w = weight[g];
 #pragma unroll
         for (int i = 0; i < V; ++i) {
-          const float row = bf16_bits_to_float(bits[i]);
+          const float row = bf16_of(bits[g], i);
           if (kDeterministic) {
             o[i] = __fadd_rn(o[i], __fmul_rn(w, row));
           } else {
@@ -149,17 +168,17 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(Rows source, const f
           }
         }
       }
-      if (kDeterministic) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) o[i] = __fmul_rn(rsf, o[i]);
-      }
-      if constexpr (V == kVec) {
-        store_vec(out_row + n, o);
-      } else {
-        store(out_row + n, o[0]);
-      }
     }
-    __syncthreads();  // row_ptr / weight are rewritten for the next token
+    if (kDeterministic) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) o[i] = __fmul_rn(rsf, o[i]);
+    }
+    OutT* out_row = out + t * hidden;
+    if constexpr (V == kVec) {
+      store_vec(out_row + n, o);
+    } else {
+      store(out_row + n, o[0]);
+    }
   }
 }
 
@@ -168,7 +187,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 template <class OutT, class Rows>
 void launch(const Rows& source, bool vectorized, const float* topk_weights, int64_t tokens, int topk, int64_t hidden,
             float rsf, bool deterministic, void* out, cudaStream_t stream) {
-  const unsigned grid = grid_for(tokens, kMaxBlocks);
+  const dim3 grid = rows_by_chunks(tokens, hidden, int64_t{kThreads} * (vectorized ? kVec : 1));
   OutT* o = static_cast<OutT*>(out);
   if (vectorized && deterministic) {
     finalize_kernel<OutT, true, kVec><<<grid, kThreads, 0, stream>>>(source, topk_weights, tokens, topk, hidden, rsf, o);
@@ -202,23 +221,24 @@ void launch_any(const Rows& source, bool rows_aligned, const float* topk_weights
   }
 }
 
-// slot_rows[s, :] = y[output_permutation[s], :] for valid slots; V features per thread-iteration.
+// slot_rows[s, :] = y[output_permutation[s], :] for valid slots; blockIdx.y = slot (grid-stride),
+// blockIdx.x * kThreads + threadIdx.x = chunk of V features.
 template <int V>
 __global__ void __launch_bounds__(kThreads) scatter_slot_rows_kernel(const uint16_t* __restrict__ y,
                                                                      const int32_t* __restrict__ output_permutation,
                                                                      int64_t slots, int64_t hidden,
                                                                      uint16_t* __restrict__ slot_rows) {
-  for (int64_t s = blockIdx.x; s < slots; s += gridDim.x) {
+  const int64_t n = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
+  if (n >= hidden) return;
+  for (int64_t s = blockIdx.y; s < slots; s += gridDim.y) {
     const int32_t r = output_permutation[s];
     if (r < 0) continue;  // uniform over the CTA: no divergence
     const uint16_t* src = y + static_cast<int64_t>(r) * hidden;
     uint16_t* dst = slot_rows + s * hidden;
-    for (int64_t n = static_cast<int64_t>(threadIdx.x) * V; n < hidden; n += static_cast<int64_t>(blockDim.x) * V) {
-      if constexpr (V == kVec) {
-        *reinterpret_cast<uint4*>(dst + n) = *reinterpret_cast<const uint4*>(src + n);
-      } else {
-        dst[n] = src[n];
-      }
+    if constexpr (V == kVec) {
+      *reinterpret_cast<uint4*>(dst + n) = *reinterpret_cast<const uint4*>(src + n);
+    } else {
+      dst[n] = src[n];
     }
   }
 }
@@ -236,8 +256,9 @@ void finalize(const uint16_t* y, const int32_t* output_permutation, const float*
 void scatter_slot_rows(const uint16_t* y, const int32_t* output_permutation, int64_t slots, int64_t hidden,
                        uint16_t* slot_rows, cudaStream_t stream) {
   if (slots <= 0 || hidden <= 0) return;
-  const unsigned grid = grid_for(slots, kMaxBlocks);
-  if (hidden % kVec == 0 && aligned16(y) && aligned16(slot_rows)) {
+  const bool vectorized = hidden % kVec == 0 && aligned16(y) && aligned16(slot_rows);
+  const dim3 grid = rows_by_chunks(slots, hidden, int64_t{kThreads} * (vectorized ? kVec : 1));
+  if (vectorized) {
     scatter_slot_rows_kernel<kVec><<<grid, kThreads, 0, stream>>>(y, output_permutation, slots, hidden, slot_rows);
   } else {
     scatter_slot_rows_kernel<1><<<grid, kThreads, 0, stream>>>(y, output_permutation, slots, hidden, slot_rows);

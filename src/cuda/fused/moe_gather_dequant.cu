@@ -28,9 +28,8 @@ namespace qmoe::cuda::fused {
 
 namespace {
 
-constexpr int kThreads = 128;         // 128 x 8 features = 1024 per pass: H = 7168 in 7 passes
-constexpr int64_t kMaxBlocks = 4096;  // grid-stride beyond: enough to fill 132 SMs many times over
-constexpr int kChunk = 8;             // features per thread and pass
+constexpr int kThreads = 128;  // 128 x 8 features = 1024 per CTA: H = 7168 is 7 CTAs per row
+constexpr int kChunk = 8;      // features per thread
 
 struct GatherDequantArgs {
   RowRouting routing;
@@ -76,22 +75,23 @@ __device__ __forceinline__ uint4 dequant_chunk(const GatherDequantArgs& p, int64
   }
 }
 
+// blockIdx.y = row (grid-stride over rows), blockIdx.x * kThreads + threadIdx.x = chunk of kChunk features.
 template <ActivationInput kInput>
 __global__ void __launch_bounds__(kThreads) gather_dequant_kernel(const GatherDequantArgs p) {
   const RowRouting& rt = p.routing;
   const int64_t valid_rows = rt.expert_offsets[rt.num_local];
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
-  const int64_t chunks = p.hidden / kChunk;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const bool in_row = c < p.hidden / kChunk;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const int32_t slot = rt.input_permutation[r];
     if (slot < 0) continue;  // cannot happen for r < valid rows; guards a corrupted routing
     const int64_t t = slot / rt.topk;
-    if (threadIdx.x == 0) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
       const float alpha = p.w1_alpha != nullptr ? p.w1_alpha[rt.local_ids[slot]] : 1.0f;
       p.s1[r] = alpha * (p.per_token_scale != nullptr ? p.per_token_scale[t] : 1.0f);
     }
-    uint4* dst = reinterpret_cast<uint4*>(p.a_out + r * p.hidden);
-    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) dst[c] = dequant_chunk<kInput>(p, t, c);
+    if (in_row) reinterpret_cast<uint4*>(p.a_out + r * p.hidden)[c] = dequant_chunk<kInput>(p, t, c);
   }
 }
 
@@ -102,7 +102,8 @@ void gather_dequantize(const RowRouting& routing, ActivationInput input, const v
                        float* s1, cudaStream_t stream) {
   if (routing.max_rows <= 0) return;
   const GatherDequantArgs p{routing, x, x_scale, hidden, per_token_scale, w1_alpha, a_out, s1};
-  const unsigned grid = grid_for(routing.max_rows, kMaxBlocks);
+  if (hidden <= 0) return;
+  const dim3 grid = rows_by_chunks(routing.max_rows, hidden, int64_t{kThreads} * kChunk);
   switch (input) {
     case ActivationInput::kBf16: gather_dequant_kernel<ActivationInput::kBf16><<<grid, kThreads, 0, stream>>>(p); break;
     case ActivationInput::kNvfp4:

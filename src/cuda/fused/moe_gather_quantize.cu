@@ -9,8 +9,12 @@
 // a1(t) = x_scale[0], x_scale[t] or amax / 448 (1 when amax == 0), read on the device. The
 // reference scales GEMM1 as (acc * a1) * w1_alpha; the GEMM's epilogue applies the folded s1 in
 // one product, which differs by at most one fp32 rounding (identical when w1_alpha is absent).
-// Division and conversion are the reference's (qmoe::float_to_e4m3, an IEEE fp32 division), so
-// A1 is bit-identical to the CPU reference's operand.
+// Division and conversion are the reference's (an IEEE fp32 division, __fdiv_rn; the e4m3 code of
+// fused_moe_common.cuh's e4m3x2, bit-equal to qmoe::float_to_e4m3), so A1 is bit-identical to the
+// CPU reference's operand.
+// Mapping (decode has T*k = 8 rows): rows x column-chunks, 8 columns per thread, 1024 per CTA
+// (fused_moe_common.cuh); 16-byte loads when H % 8 == 0 and x is 16-byte aligned, else one column
+// at a time (x's alignment is not part of the w4a8_int4 contract).
 // Rows r >= expert_offsets[E_l] (read on the device) are neither read nor written.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -63,28 +67,54 @@ struct GatherArgs {
   float* s1;
 };
 
-// One block per row (grid-stride over rows); threads walk the row's H features.
-__global__ void __launch_bounds__(kThreads) gather_quantize_kernel(const GatherArgs p) {
+// Columns per thread, and per CTA: H = 7168 is 7 CTAs per row, each thread one 16-byte bf16 load.
+constexpr int kVec = 8;
+constexpr int kGatherThreads = 128;
+
+// blockIdx.y = row (grid-stride), blockIdx.x * kGatherThreads + threadIdx.x = chunk of kVec columns.
+// kVectorized (H % 8 == 0, x 16-byte aligned, a_out 8-byte aligned): one 16-byte (bf16) or 8-byte
+// (e4m3) load and one 8-byte store per thread; else the same columns one at a time.
+template <bool kVectorized>
+__global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const GatherArgs p) {
   const RowRouting& rt = p.routing;
   const int64_t valid_rows = rt.expert_offsets[rt.num_local];
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
   const int64_t H = p.hidden;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+  const int64_t h0 = (static_cast<int64_t>(blockIdx.x) * kGatherThreads + threadIdx.x) * kVec;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const int32_t slot = rt.input_permutation[r];
     if (slot < 0) continue;  // cannot happen for r < valid rows; guards a corrupted routing
     const int64_t t = slot / rt.topk;
     const float a1 = p.x_scale != nullptr ? p.x_scale[p.x_scale_per_token ? t : 0] : dynamic_fp8_scale(*p.amax_bits);
-    if (threadIdx.x == 0) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
       const int32_t e = rt.local_ids[slot];
       p.s1[r] = a1 * (p.w1_alpha != nullptr ? p.w1_alpha[e] : 1.0f);
     }
-    uint8_t* dst = p.a_out + r * H;
+    if (h0 >= H) continue;
+    uint8_t* dst = p.a_out + r * H + h0;
     if (p.x_is_e4m3) {
-      const uint8_t* src = static_cast<const uint8_t*>(p.x) + t * H;
-      for (int64_t h = threadIdx.x; h < H; h += blockDim.x) dst[h] = src[h];
+      const uint8_t* src = static_cast<const uint8_t*>(p.x) + t * H + h0;
+      if constexpr (kVectorized) {
+        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
+      } else {
+        for (int j = 0; j < kVec && h0 + j < H; ++j) dst[j] = src[j];
+      }
     } else {
-      const uint16_t* src = static_cast<const uint16_t*>(p.x) + t * H;
-      for (int64_t h = threadIdx.x; h < H; h += blockDim.x) dst[h] = float_to_e4m3(bf16_to_float(src[h]) / a1);
+      const uint16_t* src = static_cast<const uint16_t*>(p.x) + t * H + h0;
+      // x / a1 is the IEEE division of the reference (never a reciprocal product).
+      if constexpr (kVectorized) {
+        const uint4 in = *reinterpret_cast<const uint4*>(src);
+        const uint32_t w[4] = {in.x, in.y, in.z, in.w};
+        float q[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec / 2; ++j) {
+          q[2 * j] = __fdiv_rn(__uint_as_float(w[j] << 16), a1);
+          q[2 * j + 1] = __fdiv_rn(__uint_as_float(w[j] & 0xffff0000u), a1);
+        }
+        *reinterpret_cast<uint2*>(dst) = make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
+      } else {
+        for (int j = 0; j < kVec && h0 + j < H; ++j) dst[j] = e4m3_of(__fdiv_rn(bf16_to_float(src[j]), a1));
+      }
     }
   }
 }
@@ -110,8 +140,16 @@ void gather_quantize(const RowRouting& routing, const void* x, bool x_is_e4m3, i
                      bool x_scale_per_token, const uint32_t* amax_bits, const float* w1_alpha, uint8_t* a_out,
                      float* s1, cudaStream_t stream) {
   if (routing.max_rows <= 0) return;
+  if (hidden <= 0) return;
   GatherArgs p{routing, x, x_is_e4m3, hidden, x_scale, x_scale_per_token, amax_bits, w1_alpha, a_out, s1};
-  gather_quantize_kernel<<<grid_for(routing.max_rows, kMaxBlocks), kThreads, 0, stream>>>(p);
+  // x needs no alignment in this mode (fused_moe checks it for the bf16 pipeline only): test it.
+  const bool vectorized = hidden % kVec == 0 && aligned_to(x, 16) && aligned_to(a_out, 8);
+  const dim3 grid = rows_by_chunks(routing.max_rows, hidden, int64_t{kGatherThreads} * kVec);
+  if (vectorized) {
+    gather_quantize_kernel<true><<<grid, kGatherThreads, 0, stream>>>(p);
+  } else {
+    gather_quantize_kernel<false><<<grid, kGatherThreads, 0, stream>>>(p);
+  }
   check_cuda(cudaGetLastError(), "launch of fused_moe gather_quantize");
 }
 
