@@ -21,7 +21,12 @@ step "gemm checks"; {
   echo "w4a8 gemm check rc=$?"
   bash tests/gpu/build_w4a8_check.sh build/bf16_w4_check tests/gpu/bf16_w4_gemm_check.cu && build/bf16_w4_check --bench
   echo "bf16 x 4-bit gemm check rc=$?"
-} > "$OUT/checks.log" 2>&1; grep -E "FAIL|correctness|check rc" "$OUT/checks.log" | tail -6
+  bash tests/gpu/build_w4a8_check.sh build/fused_glue_check tests/gpu/fused_glue_check.cu && build/fused_glue_check
+  echo "fused glue kernels check rc=$?"
+  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc -o build/e4m3_cvt_check \
+    tests/gpu/e4m3_cvt_check.cu && build/e4m3_cvt_check
+  echo "hardware e4m3 conversion check rc=$?"
+} > "$OUT/checks.log" 2>&1; grep -E "FAIL|correctness|check rc|PASS" "$OUT/checks.log" | tail -12
 step "bench gemm"; python3 -m qmoe.cli bench gemm --models deepseek_v3,qwen3_235b_a22b,qwen3_30b_a3b,mixtral_8x7b \
   --tokens 1,8,64,256,1024,4096 --iters 10 --out-dir "$RES" > "$OUT/bench.log" 2>&1; echo "bench gemm rc=$?"
 step "bench moe"; python3 -m qmoe.cli bench moe --quant-mode ${QMOE_BENCH_MODES:-all} --budget-ms 80 --out-dir "$RES" >> "$OUT/bench.log" 2>&1
