@@ -67,6 +67,7 @@ struct FusedMoeParams {
   bool deterministic = false;  // false: fused (atomic) finalize; true: fixed-order fp32 sum
   float routed_scaling_factor = 1.0f;
   std::string tactic;          // empty: heuristic
+  bool enable_pdl = false;     // CUDA: programmatic dependent launch between the pipeline's kernels
 };
 
 // Throws qmoe::Error naming the first bad argument; no work is done.

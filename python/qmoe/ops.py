@@ -74,13 +74,14 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
               num_local_experts=None, local_expert_offset=0, activation="swiglu", swiglu_alpha=1.0,
               swiglu_beta=0.0, swiglu_limit=math.inf, situ_beta=1.0, situ_linear_beta=None,
               gate_up_layout="gate_up", deterministic=False, routed_scaling_factor=1.0,
-              output_dtype="bfloat16", out=None, tactic=None, workspace=None):
+              output_dtype="bfloat16", out=None, tactic=None, workspace=None, enable_pdl=False):
     """One MoE layer: out[t] = rsf * sum_j w[t,j] * alpha2 * W2 . requant(act(alpha1 * W13 . x[t])).
 
     See include/qmoe/fused_moe.h for the tensors of each quant_mode. `out` ([T, H]) is written,
     never accumulated into. Returns the output tensor. `workspace` (CUDA tensors only): a uint8
     CUDA tensor of at least _C.fused_moe_workspace_size bytes to use instead of allocating one
-    (CuteDslMoEWrapper(use_cuda_graph=True) passes its pre-allocated buffer).
+    (CuteDslMoEWrapper(use_cuda_graph=True) passes its pre-allocated buffer). `enable_pdl`: CUDA
+    programmatic dependent launch between the pipeline's kernels (same results; no effect on the CPU).
     """
     if quant_mode not in QUANT_MODES:
         raise ValueError(f"qmoe: argument 'quant_mode': expected one of {QUANT_MODES}, got {quant_mode!r}")
@@ -102,6 +103,7 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
                        w2, w2_scale, w2_alpha, per_token_scale, (out, "out"), num_experts, num_local_experts,
                        local_expert_offset, activation, swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta,
                        situ_linear_beta, gate_up_layout, deterministic, routed_scaling_factor, tactic)
+    call.enable_pdl = bool(enable_pdl)
     if workspace is not None and not (is_torch(x) and x.is_cuda):
         raise ValueError("qmoe: argument 'workspace': expected None for CPU tensors (the CPU engine "
                          f"allocates its own scratch), got {_describe(workspace)}")

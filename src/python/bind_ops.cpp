@@ -208,7 +208,10 @@ void bind_ops(nb::module_& m) {
           FUSED_MOE_ARGS)
       .def_prop_rw(
           "tactic", [](const LayerCall& c) { return c.params.tactic; },
-          [](LayerCall& c, const std::string& tactic) { c.params.tactic = tactic; });
+          [](LayerCall& c, const std::string& tactic) { c.params.tactic = tactic; })
+      .def_prop_rw(
+          "enable_pdl", [](const LayerCall& c) { return c.params.enable_pdl; },
+          [](LayerCall& c, bool on) { c.params.enable_pdl = on; });
 
   // Bytes of scratch the GPU pipeline needs (validates the whole call first, so a bad call fails
   // before anything is allocated); 0 on the CPU.

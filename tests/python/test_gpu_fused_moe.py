@@ -406,3 +406,24 @@ def test_wrapper_preallocated_graphs_for_two_token_counts(mode):
         want = run(fresh, t).clone()  # eager, same buffers, same inputs
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"T={t}: replay differs from eager"
         assert torch.isfinite(got.float()).all()
+
+
+@pytest.mark.parametrize("mode", ["w4a8_int4", "w4a4", "w4a16"])
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+def test_pdl_gives_the_same_bits(mode, tokens):
+    """enable_pdl=True (programmatic dependent launch between the pipeline's kernels) changes only
+    the scheduling: eager and graph-replayed results equal the plain launches bit for bit."""
+    case = on_device(testing.make_fused_moe_case(mode, tokens, 512, 256, 16, 4, seed=50 + tokens))
+    plain = qmoe.fused_moe(**case, deterministic=True)
+    with_pdl = qmoe.fused_moe(**case, deterministic=True, enable_pdl=True)
+    torch.cuda.synchronize()
+    assert torch.equal(plain.view(torch.int16), with_pdl.view(torch.int16))
+    out = torch.full_like(plain, float("nan"))
+    qmoe.fused_moe(**case, deterministic=True, enable_pdl=True, out=out)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qmoe.fused_moe(**case, deterministic=True, enable_pdl=True, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(plain.view(torch.int16), out.view(torch.int16))

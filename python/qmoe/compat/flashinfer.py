@@ -113,7 +113,7 @@ def cute_dsl_fused_moe(x, x_sf, token_selected_experts, token_final_scales, w1_w
            if activation == "swiglu" else {}),
         situ_beta=1.0 if situ_beta is None else situ_beta, situ_linear_beta=situ_linear_beta,
         gate_up_layout=layout, deterministic=not use_fused_finalize, output_dtype=output_dtype, out=moe_output,
-        tactic=None if tactic is None else str(tactic), workspace=workspace)
+        tactic=None if tactic is None else str(tactic), workspace=workspace, enable_pdl=bool(enable_pdl))
 
 
 class CuteDslMoEWrapper:

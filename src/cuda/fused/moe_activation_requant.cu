@@ -42,6 +42,7 @@
 #include "qmoe/error.h"
 #include "qmoe/formats.h"
 #include "reference/activations.h"
+#include "cuda/common/pdl.cuh"
 
 namespace qmoe::cuda::fused {
 
@@ -121,6 +122,7 @@ struct RequantArgs {
 // and a_out 8-byte aligned; else the thread's 8 features one at a time (those < I).
 template <bool kAmaxOnly, bool kVectorized>
 __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const RequantArgs p) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   const RowRouting& rt = p.routing;
   const int64_t valid_rows = rt.expert_offsets[rt.num_local];
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
@@ -237,6 +239,7 @@ __device__ __forceinline__ float w2_alpha_of(const RequantBf16Args& p, int64_t r
 // kBf16, kNvfp4, kMxfp8: rows x column-chunks.
 template <Bf16Requant kMode>
 __global__ void __launch_bounds__(kThreads) activation_requant_bf16_kernel(const RequantBf16Args p) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   const RowRouting& rt = p.routing;
   const int64_t valid_rows = rt.expert_offsets[rt.num_local];
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
@@ -258,6 +261,7 @@ __global__ void __launch_bounds__(kThreads) activation_requant_bf16_kernel(const
 // Pass 1: b = bf16(v) into A2 and the row amax of |b|. Pass 2 re-reads each thread's own chunks
 // (same thread, same addresses: program order makes them visible) and writes md over them.
 __global__ void __launch_bounds__(kThreads) activation_requant_per_token_kernel(const RequantBf16Args p) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   const RowRouting& rt = p.routing;
   const int64_t valid_rows = rt.expert_offsets[rt.num_local];
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
@@ -313,9 +317,9 @@ void activation_amax(const RowRouting& routing, const float* h, int64_t rows1, i
   const int64_t grid_rows = routing.max_rows < kAmaxMaxGridRows ? routing.max_rows : kAmaxMaxGridRows;
   const dim3 grid = rows_by_chunks(grid_rows, inter, int64_t{kThreads} * kVec);
   if (inter % kVec == 0 && aligned_to(h, 16) && rows1 % 4 == 0) {
-    activation_requant_kernel<true, true><<<grid, kThreads, 0, stream>>>(p);
+    launch_kernel(activation_requant_kernel<true, true>, grid, kThreads, 0, stream, p);
   } else {
-    activation_requant_kernel<true, false><<<grid, kThreads, 0, stream>>>(p);
+    launch_kernel(activation_requant_kernel<true, false>, grid, kThreads, 0, stream, p);
   }
   check_cuda(cudaGetLastError(), "launch of fused_moe activation_amax");
 }
@@ -327,9 +331,9 @@ void activation_requant(const RowRouting& routing, const float* h, int64_t rows1
   RequantArgs p{routing, h, rows1, inter, act, a2_static, amax_bits, nullptr, w2_alpha, a_out, s2};
   const dim3 grid = rows_by_chunks(routing.max_rows, inter, int64_t{kThreads} * kVec);
   if (inter % kVec == 0 && aligned_to(h, 16) && rows1 % 4 == 0 && aligned_to(a_out, 8)) {
-    activation_requant_kernel<false, true><<<grid, kThreads, 0, stream>>>(p);
+    launch_kernel(activation_requant_kernel<false, true>, grid, kThreads, 0, stream, p);
   } else {
-    activation_requant_kernel<false, false><<<grid, kThreads, 0, stream>>>(p);
+    launch_kernel(activation_requant_kernel<false, false>, grid, kThreads, 0, stream, p);
   }
   check_cuda(cudaGetLastError(), "launch of fused_moe activation_requant");
 }
@@ -346,16 +350,16 @@ void activation_requant_bf16(const RowRouting& routing, const float* h, int64_t 
   const dim3 grid = rows_by_chunks(routing.max_rows, inter, int64_t{kThreads} * kVec);
   switch (requant) {
     case Bf16Requant::kBf16:
-      activation_requant_bf16_kernel<Bf16Requant::kBf16><<<grid, kThreads, 0, stream>>>(p);
+      launch_kernel(activation_requant_bf16_kernel<Bf16Requant::kBf16>, grid, kThreads, 0, stream, p);
       break;
     case Bf16Requant::kNvfp4:
-      activation_requant_bf16_kernel<Bf16Requant::kNvfp4><<<grid, kThreads, 0, stream>>>(p);
+      launch_kernel(activation_requant_bf16_kernel<Bf16Requant::kNvfp4>, grid, kThreads, 0, stream, p);
       break;
     case Bf16Requant::kNvfp4PerToken:
-      activation_requant_per_token_kernel<<<dim3(1, grid.y), kThreads, 0, stream>>>(p);
+      launch_kernel(activation_requant_per_token_kernel, dim3(1, grid.y), kThreads, 0, stream, p);
       break;
     case Bf16Requant::kMxfp8:
-      activation_requant_bf16_kernel<Bf16Requant::kMxfp8><<<grid, kThreads, 0, stream>>>(p);
+      launch_kernel(activation_requant_bf16_kernel<Bf16Requant::kMxfp8>, grid, kThreads, 0, stream, p);
       break;
   }
   check_cuda(cudaGetLastError(), "launch of fused_moe activation_requant_bf16");

@@ -41,6 +41,7 @@
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/launch.h"
 #include "qmoe/routing.h"
+#include "cuda/common/pdl.cuh"
 
 namespace qmoe::cuda::fused {
 
@@ -127,6 +128,7 @@ template <class OutT, bool kDeterministic, int V, class Rows>
 __global__ void __launch_bounds__(kThreads) finalize_kernel(Rows source, const float* __restrict__ topk_weights,
                                                             int64_t tokens, int topk, int64_t hidden, float rsf,
                                                             OutT* __restrict__ out) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   constexpr int kGroup = 8;  // slots whose rows are loaded at once (kMaxTopK = 16: two groups at most)
   using Bits = std::conditional_t<V == kVec, uint4, uint16_t>;
   const int64_t n = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
@@ -185,19 +187,19 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(Rows source, const f
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <class OutT, class Rows>
-void launch(const Rows& source, bool vectorized, const float* topk_weights, int64_t tokens, int topk, int64_t hidden,
+void launch_finalize(const Rows& source, bool vectorized, const float* topk_weights, int64_t tokens, int topk, int64_t hidden,
             float rsf, bool deterministic, void* out, cudaStream_t stream) {
   const dim3 grid = rows_by_chunks(tokens, hidden, int64_t{kThreads} * (vectorized ? kVec : 1));
   OutT* o = static_cast<OutT*>(out);
   if (vectorized && deterministic) {
-    finalize_kernel<OutT, true, kVec><<<grid, kThreads, 0, stream>>>(source, topk_weights, tokens, topk, hidden, rsf, o);
+    launch_kernel(finalize_kernel<OutT, true, kVec, Rows>, grid, kThreads, 0, stream, source, topk_weights, tokens, topk, hidden, rsf, o);
   } else if (vectorized) {
-    finalize_kernel<OutT, false, kVec><<<grid, kThreads, 0, stream>>>(source, topk_weights, tokens, topk, hidden, rsf,
+    launch_kernel(finalize_kernel<OutT, false, kVec, Rows>, grid, kThreads, 0, stream, source, topk_weights, tokens, topk, hidden, rsf,
                                                                       o);
   } else if (deterministic) {
-    finalize_kernel<OutT, true, 1><<<grid, kThreads, 0, stream>>>(source, topk_weights, tokens, topk, hidden, rsf, o);
+    launch_kernel(finalize_kernel<OutT, true, 1, Rows>, grid, kThreads, 0, stream, source, topk_weights, tokens, topk, hidden, rsf, o);
   } else {
-    finalize_kernel<OutT, false, 1><<<grid, kThreads, 0, stream>>>(source, topk_weights, tokens, topk, hidden, rsf, o);
+    launch_kernel(finalize_kernel<OutT, false, 1, Rows>, grid, kThreads, 0, stream, source, topk_weights, tokens, topk, hidden, rsf, o);
   }
   check_cuda(cudaGetLastError(), "launch of the MoE finalize");
 }
@@ -208,13 +210,13 @@ void launch_any(const Rows& source, bool rows_aligned, const float* topk_weights
   const bool vectorized = rows_aligned && hidden % kVec == 0 && aligned16(out);
   switch (out_dtype) {
     case DType::kBFloat16:
-      launch<__nv_bfloat16>(source, vectorized, topk_weights, tokens, topk, hidden, rsf, deterministic, out, stream);
+      launch_finalize<__nv_bfloat16>(source, vectorized, topk_weights, tokens, topk, hidden, rsf, deterministic, out, stream);
       break;
     case DType::kFloat16:
-      launch<__half>(source, vectorized, topk_weights, tokens, topk, hidden, rsf, deterministic, out, stream);
+      launch_finalize<__half>(source, vectorized, topk_weights, tokens, topk, hidden, rsf, deterministic, out, stream);
       break;
     case DType::kFloat32:
-      launch<float>(source, vectorized, topk_weights, tokens, topk, hidden, rsf, deterministic, out, stream);
+      launch_finalize<float>(source, vectorized, topk_weights, tokens, topk, hidden, rsf, deterministic, out, stream);
       break;
     default:
       throw Error("output", "bfloat16, float16 or float32", dtype_name(out_dtype));
@@ -228,6 +230,7 @@ __global__ void __launch_bounds__(kThreads) scatter_slot_rows_kernel(const uint1
                                                                      const int32_t* __restrict__ output_permutation,
                                                                      int64_t slots, int64_t hidden,
                                                                      uint16_t* __restrict__ slot_rows) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   const int64_t n = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (n >= hidden) return;
   for (int64_t s = blockIdx.y; s < slots; s += gridDim.y) {
@@ -259,9 +262,9 @@ void scatter_slot_rows(const uint16_t* y, const int32_t* output_permutation, int
   const bool vectorized = hidden % kVec == 0 && aligned16(y) && aligned16(slot_rows);
   const dim3 grid = rows_by_chunks(slots, hidden, int64_t{kThreads} * (vectorized ? kVec : 1));
   if (vectorized) {
-    scatter_slot_rows_kernel<kVec><<<grid, kThreads, 0, stream>>>(y, output_permutation, slots, hidden, slot_rows);
+    launch_kernel(scatter_slot_rows_kernel<kVec>, grid, kThreads, 0, stream, y, output_permutation, slots, hidden, slot_rows);
   } else {
-    scatter_slot_rows_kernel<1><<<grid, kThreads, 0, stream>>>(y, output_permutation, slots, hidden, slot_rows);
+    launch_kernel(scatter_slot_rows_kernel<1>, grid, kThreads, 0, stream, y, output_permutation, slots, hidden, slot_rows);
   }
   check_cuda(cudaGetLastError(), "launch of moe_expert_rows' scatter to slot rows");
 }

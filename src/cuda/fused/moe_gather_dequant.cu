@@ -23,6 +23,7 @@
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/launch.h"
 #include "qmoe/formats.h"
+#include "cuda/common/pdl.cuh"
 
 namespace qmoe::cuda::fused {
 
@@ -78,6 +79,7 @@ __device__ __forceinline__ uint4 dequant_chunk(const GatherDequantArgs& p, int64
 // blockIdx.y = row (grid-stride over rows), blockIdx.x * kThreads + threadIdx.x = chunk of kChunk features.
 template <ActivationInput kInput>
 __global__ void __launch_bounds__(kThreads) gather_dequant_kernel(const GatherDequantArgs p) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   const RowRouting& rt = p.routing;
   const int64_t valid_rows = rt.expert_offsets[rt.num_local];
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
@@ -105,12 +107,14 @@ void gather_dequantize(const RowRouting& routing, ActivationInput input, const v
   if (hidden <= 0) return;
   const dim3 grid = rows_by_chunks(routing.max_rows, hidden, int64_t{kThreads} * kChunk);
   switch (input) {
-    case ActivationInput::kBf16: gather_dequant_kernel<ActivationInput::kBf16><<<grid, kThreads, 0, stream>>>(p); break;
+    case ActivationInput::kBf16:
+      launch_kernel(gather_dequant_kernel<ActivationInput::kBf16>, grid, kThreads, 0, stream, p);
+      break;
     case ActivationInput::kNvfp4:
-      gather_dequant_kernel<ActivationInput::kNvfp4><<<grid, kThreads, 0, stream>>>(p);
+      launch_kernel(gather_dequant_kernel<ActivationInput::kNvfp4>, grid, kThreads, 0, stream, p);
       break;
     case ActivationInput::kMxfp8:
-      gather_dequant_kernel<ActivationInput::kMxfp8><<<grid, kThreads, 0, stream>>>(p);
+      launch_kernel(gather_dequant_kernel<ActivationInput::kMxfp8>, grid, kThreads, 0, stream, p);
       break;
   }
   check_cuda(cudaGetLastError(), "launch of fused_moe gather_dequantize");

@@ -23,6 +23,7 @@
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/launch.h"
 #include "qmoe/formats.h"
+#include "cuda/common/pdl.cuh"
 
 namespace qmoe::cuda::fused {
 
@@ -35,6 +36,7 @@ __global__ void __launch_bounds__(kThreads) local_expert_ids_kernel(const int32_
                                                                     int32_t* __restrict__ local, int64_t slots,
                                                                     int64_t num_experts, int64_t offset,
                                                                     int64_t num_local) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   for (int64_t s = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; s < slots;
        s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t id = ids[s];
@@ -45,6 +47,7 @@ __global__ void __launch_bounds__(kThreads) local_expert_ids_kernel(const int32_
 
 __global__ void __launch_bounds__(kThreads) amax_bf16_kernel(const uint16_t* __restrict__ x, int64_t n,
                                                              uint32_t* amax_bits) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   uint32_t m = 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -76,6 +79,7 @@ constexpr int kGatherThreads = 128;
 // (e4m3) load and one 8-byte store per thread; else the same columns one at a time.
 template <bool kVectorized>
 __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const GatherArgs p) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   const RowRouting& rt = p.routing;
   const int64_t valid_rows = rt.expert_offsets[rt.num_local];
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
@@ -125,14 +129,14 @@ void local_expert_ids(const int32_t* ids, int32_t* local, int64_t slots, int64_t
                       int64_t num_local, cudaStream_t stream) {
   if (slots <= 0) return;
   const unsigned grid = grid_for((slots + kThreads - 1) / kThreads, kMaxBlocks);
-  local_expert_ids_kernel<<<grid, kThreads, 0, stream>>>(ids, local, slots, num_experts, offset, num_local);
+  launch_kernel(local_expert_ids_kernel, grid, kThreads, 0, stream, ids, local, slots, num_experts, offset, num_local);
   check_cuda(cudaGetLastError(), "launch of fused_moe local_expert_ids");
 }
 
 void amax_bf16(const uint16_t* x, int64_t n, uint32_t* amax_bits, cudaStream_t stream) {
   if (n <= 0) return;
   const unsigned grid = grid_for((n + kThreads - 1) / kThreads, kMaxBlocks);
-  amax_bf16_kernel<<<grid, kThreads, 0, stream>>>(x, n, amax_bits);
+  launch_kernel(amax_bf16_kernel, grid, kThreads, 0, stream, x, n, amax_bits);
   check_cuda(cudaGetLastError(), "launch of fused_moe amax_bf16");
 }
 
@@ -146,9 +150,9 @@ void gather_quantize(const RowRouting& routing, const void* x, bool x_is_e4m3, i
   const bool vectorized = hidden % kVec == 0 && aligned_to(x, 16) && aligned_to(a_out, 8);
   const dim3 grid = rows_by_chunks(routing.max_rows, hidden, int64_t{kGatherThreads} * kVec);
   if (vectorized) {
-    gather_quantize_kernel<true><<<grid, kGatherThreads, 0, stream>>>(p);
+    launch_kernel(gather_quantize_kernel<true>, grid, kGatherThreads, 0, stream, p);
   } else {
-    gather_quantize_kernel<false><<<grid, kGatherThreads, 0, stream>>>(p);
+    launch_kernel(gather_quantize_kernel<false>, grid, kGatherThreads, 0, stream, p);
   }
   check_cuda(cudaGetLastError(), "launch of fused_moe gather_quantize");
 }

@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "cuda/common/device_guard.h"
+#include "cuda/common/pdl.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/fused/fused_moe_workspace.h"
 #include "cuda/gemm/sm90_grouped_gemm_bf16_w4.h"
@@ -89,6 +90,7 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   if (tokens == 0) return;  // an empty [0, H] output: nothing to write
   const int device = p.x.device_index;
   DeviceGuard current(device);
+  PdlScope pdl(p.enable_pdl);  // every launch of this call (cuda/common/pdl.cuh)
 
   const FusedMoeBf16W4WorkspaceLayout layout = fused_moe_bf16_w4_workspace_layout(slots, local, hidden, inter, rows1);
   uint8_t* base = static_cast<uint8_t*>(workspace);

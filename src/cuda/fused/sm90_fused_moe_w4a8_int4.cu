@@ -25,6 +25,7 @@
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/fused/fused_moe_workspace.h"
 #include "cuda/common/device_guard.h"
+#include "cuda/common/pdl.cuh"
 #include "cuda/launch.h"
 #include "qmoe/error.h"
 
@@ -49,6 +50,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   if (tokens == 0) return;  // an empty [0, H] output: nothing to write
   const int device = p.x.device_index;
   DeviceGuard current(device);
+  PdlScope pdl(p.enable_pdl);  // every launch of this call (cuda/common/pdl.cuh)
 
   const FusedMoeWorkspaceLayout layout = fused_moe_workspace_layout(slots, local, hidden, inter, rows1);
   uint8_t* base = static_cast<uint8_t*>(workspace);

@@ -37,6 +37,7 @@
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/gemm/sm90_grouped_gemm_bf16_w4.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"  // cp.async helpers, store_pair, swizzle_b
+#include "cuda/common/pdl.cuh"
 
 namespace qmoe::cuda {
 
@@ -142,6 +143,7 @@ __device__ __forceinline__ int swizzle_a(int chunk, int row) { return chunk ^ ((
 template <W4Format F, class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
     sm90_grouped_gemm_bf16_w4_kernel(const Bf16W4Params p) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   using Cfg = Config<F, WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
   constexpr int kTileM = Cfg::kTileM;
   constexpr int kTileN = Cfg::kTileN;

@@ -11,6 +11,7 @@
 #include "cuda/gemm/sm90_grouped_gemm_bf16_w4.cuh"
 #include "cuda/launch.h"
 #include "qmoe/error.h"
+#include "cuda/common/pdl.cuh"
 
 namespace qmoe::cuda::bf16w4 {
 
@@ -35,7 +36,7 @@ void launch_typed(const Bf16W4Params& params, int64_t rows, int device, cudaStre
   const int64_t n_tiles = (params.n + Cfg::kTileM - 1) / Cfg::kTileM;
   const int64_t max_tiles = (rows / Cfg::kTileN + params.num_experts) * n_tiles;
   const int64_t grid = max_tiles < fit ? (max_tiles > 0 ? max_tiles : 1) : fit;
-  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
+  launch_kernel(kernel, static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream, params);
   check_cuda(cudaGetLastError(), "launch of sm90_grouped_gemm_bf16_w4");
 }
 

@@ -45,6 +45,7 @@
 
 #include "cuda/common/int4_to_e4m3.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
+#include "cuda/common/pdl.cuh"
 
 namespace qmoe::cuda {
 
@@ -134,6 +135,7 @@ __device__ __forceinline__ int swizzle_b(int chunk, int row) {
 template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
     sm90_grouped_gemm_w4a8_int4_kernel(const W4A8GemmParams p) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   static_assert(std::is_same<OutT, __nv_bfloat16>::value || std::is_same<OutT, float>::value,
                 "the epilogue stores bf16 (the public op) or fp32 (the fused MoE's GEMM1)");
   using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;

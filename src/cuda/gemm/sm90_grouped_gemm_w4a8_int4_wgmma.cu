@@ -21,6 +21,7 @@
 #include <string>
 
 #include "cuda/common/int4_to_e4m3.cuh"
+#include "cuda/common/pdl.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
 #include "qmoe/error.h"
@@ -116,6 +117,7 @@ __device__ __forceinline__ void store_out(float* out, float v) { *out = v; }
 
 template <class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const WgmmaGemmParams p) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   using S = Shape<TILE_N>;
   constexpr int kTileN = TILE_N;
   extern __shared__ uint8_t smem_raw[];
@@ -289,7 +291,7 @@ void launch_typed(const WgmmaGemmParams& params, cudaStream_t stream) {
   // The 64-token tile needs ~120 registers and 75 KB: two CTAs fit on an SM, and both are used.
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, wgmma_prefill::kThreads, kSmem),
              "cudaOccupancyMaxActiveBlocksPerMultiprocessor(w4a8 wgmma prefill)");
-  kernel<<<sms * (per_sm > 0 ? per_sm : 1), wgmma_prefill::kThreads, kSmem, stream>>>(params);
+  launch_kernel(kernel, dim3(sms * (per_sm > 0 ? per_sm : 1)), dim3(wgmma_prefill::kThreads), kSmem, stream, params);
   check_cuda(cudaGetLastError(), "w4a8 wgmma prefill launch");
 }
 }  // namespace

@@ -44,6 +44,7 @@
 #include "cuda/common/device_guard.h"
 #include "cuda/launch.h"
 #include "qmoe/routing.h"
+#include "cuda/common/pdl.cuh"
 
 namespace qmoe::cuda {
 
@@ -97,6 +98,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     moe_mm_data_kernel(const Id* __restrict__ ids, int64_t slots, int64_t cta_range, int experts, int n, int k,
                        int32_t* __restrict__ offsets, int32_t* __restrict__ sizes1, int32_t* __restrict__ sizes2,
                        int32_t* __restrict__ input_perm, int32_t* __restrict__ output_perm) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   extern __shared__ int hist[];  // [kWarps][experts]: counts after pass 1, running bases in pass 2
   __shared__ int warp_sums[kWarps];
   __shared__ int total_rows;
@@ -258,11 +260,17 @@ void launch(const TensorRef& topk_ids, int32_t* offsets, int32_t* sizes1, int32_
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeCooperative;
-  attribute[0].val.cooperative = 1;
-  // One CTA never reaches the grid barrier, so it launches as an ordinary kernel.
-  config.attrs = ctas > 1 ? attribute : nullptr;
-  config.numAttrs = ctas > 1 ? 1 : 0;
+  if (ctas > 1) {
+    attribute[0].id = cudaLaunchAttributeCooperative;
+    attribute[0].val.cooperative = 1;
+  } else {
+    // One CTA never reaches the grid barrier, so it launches as an ordinary kernel, and may be a
+    // programmatic dependent launch inside a fused MoE with PDL on (cuda/common/pdl.cuh).
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  }
+  config.attrs = attribute;
+  config.numAttrs = ctas > 1 || pdl_enabled() ? 1 : 0;
   check_cuda(cudaLaunchKernelEx(&config, kernel, ids, slots, cta_range, experts, n, k, offsets, sizes1, sizes2,
                                 input_perm, output_perm),
              "moe_mm_data kernel launch");
