@@ -44,8 +44,7 @@ const std::vector<Tactic>& compiled() {
       make(Family::kPrefill, 128, 64, 256),
       // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
       make(Family::kPrefill, 128, 128, 128),
-      // WGMMA with 64-token tiles, for 33-95 rows per expert: compiled, not yet chosen by the
-      // heuristic (to be measured against prefill_m128_n64_k256, tests/gpu/w4a8_gemm_check.cu).
+      // WGMMA with 64-token tiles (two CTAs per SM): chosen for 17-64 rows per expert.
       make(Family::kPrefill, 128, 64, 128),
   };
   return list;
@@ -69,14 +68,18 @@ bool log_enabled() {
 }  // namespace
 
 // Estimated rows of one expert (ceil(total_rows / num_experts)) up to which each tile is chosen.
-// Measured on H200 with uniform top-8 routing over 256 experts (bench/results/
-// 2026-11-30_h200_w4a8_gemm_dev.md): at 2 rows per expert n8 beats n16 by 20-30%; at 8 rows n16
-// wins by 10-15% (routing is Poisson-like, so many experts exceed 8 rows and an n8 tile would read
-// their weights twice); at 128 rows the prefill tile wins by 15-20%. Between 8 and 128 rows there
-// is no measurement yet: 32 keeps n16 while it needs at most ~2 token tiles per expert.
+// Measured on H200 with uniform top-8 routing over 256 experts, DeepSeek-V3 GEMM1/GEMM2 shapes
+// (tests/gpu/w4a8_gemm_check.cu --bench; bench/results/2026-11-30_h200_w4a8_gemm_dev.md and
+// bench/results/2026-11-30_h200_w4a8_tactics.md):
+//   2 rows: n8 beats n16 by 20-30%;  8 rows: n16 1894 / 1022 us, WGMMA n64 3121 us (GEMM1/GEMM2);
+//   32 rows: WGMMA n64 3160 / 1672 us, n16 4538 / 2422, mma.sync n64 5425 / 2972, WGMMA n128 4619 / 2479;
+//   64 rows: WGMMA n128 4644 / 2543, WGMMA n64 4673 / 2540, mma.sync n64 7936 / 4363;
+//   128 rows: WGMMA n128 best. The n16 time grows with its token tiles while the WGMMA n64 tile is
+//   flat up to 32 rows, so they cross between 8 and 32 rows: 16 is the switch.
+// The mma.sync prefill_m128_n64_k256 tile is no longer chosen (kept for forcing and tuning).
 constexpr int64_t kDecodeN8MaxRows = 4;
-constexpr int64_t kDecodeN16MaxRows = 32;
-constexpr int64_t kPrefillN64MaxRows = 95;  // from 96 rows the 128-token WGMMA tile is >= 75% full
+constexpr int64_t kDecodeN16MaxRows = 16;
+constexpr int64_t kWgmmaN64MaxRows = 64;
 
 std::string Tactic::name() const {
   std::string s = family == Family::kDecode ? "decode" : "prefill";
@@ -100,20 +103,20 @@ Tactic select_tactic(const GemmProblem& problem) {
   const int64_t rows_per_expert = (rows + experts - 1) / experts;
   Tactic t;
   if (problem.bf16_activations) {
-    // Not measured yet: the W4A8 thresholds, with the mma.sync 64-token tile above 32 rows.
-    t = rows_per_expert <= kDecodeN8MaxRows    ? make(Family::kDecode, 128, 8, 256)
-        : rows_per_expert <= kDecodeN16MaxRows ? make(Family::kDecode, 128, 16, 256)
-                                               : make(Family::kPrefill, 128, 64, 128);
+    // bf16 x 4-bit GEMM (tests/gpu/bf16_w4_gemm_check.cu --bench, H200, DeepSeek-V3 shapes): n8 is
+    // best at 1-2 rows per expert, n16 at 16 rows, the 64-token tile at 128 rows; between, the W4A8
+    // thresholds (4 and 32 rows) are kept until measured.
+    t = rows_per_expert <= kDecodeN8MaxRows ? make(Family::kDecode, 128, 8, 256)
+        : rows_per_expert <= 32             ? make(Family::kDecode, 128, 16, 256)
+                                            : make(Family::kPrefill, 128, 64, 128);
   } else if (rows_per_expert <= kDecodeN8MaxRows) {
     t = make(Family::kDecode, 128, 8, 256);
   } else if (rows_per_expert <= kDecodeN16MaxRows) {
     t = make(Family::kDecode, 128, 16, 256);
-  } else if (rows_per_expert <= kPrefillN64MaxRows) {
-    t = make(Family::kPrefill, 128, 64, 256);
+  } else if (rows_per_expert <= kWgmmaN64MaxRows) {
+    t = make(Family::kPrefill, 128, 64, 128);  // WGMMA, 64-token tiles, two CTAs per SM
   } else {
-    // WGMMA: 1.87x (GEMM1) / 1.81x (GEMM2) faster than prefill_m128_n64_k256 at 128 rows per
-    // expert, DeepSeek-V3 shapes, H200 (bench/results/2026-11-30_h200_wgmma_prefill_check.log).
-    t = make(Family::kPrefill, 128, 128, 128);
+    t = make(Family::kPrefill, 128, 128, 128);  // WGMMA, 128-token tiles
   }
   if (log_enabled()) {
     static std::mutex mutex;

@@ -1,5 +1,5 @@
 // Tests of the W4A8 grouped-GEMM tactics (src/tune/tactics.cpp): the heuristic at each threshold
-// (estimated rows per expert = ceil(total_rows / num_experts): 4 | 32 | 95), the compiled
+// (estimated rows per expert = ceil(total_rows / num_experts): 4 | 16 | 64), the compiled
 // list, name round trips and errors.
 #include <gtest/gtest.h>
 
@@ -34,17 +34,18 @@ TEST(Tactics, DecodeN8UpToFourRowsPerExpert) {
 TEST(Tactics, DecodeN16Boundaries) {
   EXPECT_EQ(chosen(4 * 256 + 1), "decode_m128_n16_k256");
   EXPECT_EQ(chosen(8 * 256), "decode_m128_n16_k256");
-  EXPECT_EQ(chosen(32 * 256), "decode_m128_n16_k256");
+  EXPECT_EQ(chosen(16 * 256), "decode_m128_n16_k256");
 }
 
-TEST(Tactics, PrefillN64From33To95Rows) {
-  EXPECT_EQ(chosen(32 * 256 + 1), "prefill_m128_n64_k256");
-  EXPECT_EQ(qmoe::select_tactic(problem(32 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
-  EXPECT_EQ(chosen(95 * 256), "prefill_m128_n64_k256");
+TEST(Tactics, WgmmaN64From17To64Rows) {
+  EXPECT_EQ(chosen(16 * 256 + 1), "prefill_m128_n64_k128");
+  EXPECT_EQ(qmoe::select_tactic(problem(16 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
+  EXPECT_EQ(chosen(32 * 256), "prefill_m128_n64_k128");  // DeepSeek-V3 T=1024, top-8
+  EXPECT_EQ(chosen(64 * 256), "prefill_m128_n64_k128");
 }
 
-TEST(Tactics, WgmmaPrefillFrom96Rows) {
-  EXPECT_EQ(chosen(95 * 256 + 1), "prefill_m128_n128_k128");
+TEST(Tactics, WgmmaN128From65Rows) {
+  EXPECT_EQ(chosen(64 * 256 + 1), "prefill_m128_n128_k128");
   EXPECT_EQ(chosen(32768), "prefill_m128_n128_k128");  // DeepSeek-V3 T=4096, top-8
   EXPECT_EQ(chosen(100000, 1), "prefill_m128_n128_k128");
   EXPECT_EQ(qmoe::select_tactic(problem(32768)).family, qmoe::Tactic::Family::kPrefill);

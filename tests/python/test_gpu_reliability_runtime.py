@@ -374,6 +374,10 @@ def test_fault_validation_errors_recover_and_leak_nothing(capsys):
     """Every refused mutation of the three ops, and after each a fused call with a bad tactic (refused
     by the C++ op after ops.fused_moe allocated the workspace); every 8th step a valid call, which
     must give the first valid result bit for bit. No byte of device memory may stay allocated."""
+    if SANITIZER:
+        # Measured: exact under a plain run, +23 MB on the second pass under memcheck (the tool's own
+        # bookkeeping of torch's allocations), so the byte count is only meaningful without it.
+        pytest.skip("device byte counts are not exact under compute-sanitizer")
     baselines = {}
     for op in ("mm_data", "gemm", "fused"):
         kw = build(op, "w4a8_int4", 100)
@@ -462,6 +466,14 @@ def test_fault_allocator_refusal_and_foreign_cuda_errors(capsys):
     assert same_bits(outs[1], want), "wrong result on the second call after a stale foreign error"
     outs = None
     assert live_bytes() == before
+    # qmoe links its own (static) CUDA runtime, so the stale error is still pending in torch's: torch's
+    # next kernel-launch check reports it (and reading it clears it). Consume it here, so that it does
+    # not fail whichever test runs next.
+    try:
+        torch.ones(1, device=DEV).add_(1)
+    except Exception:  # noqa: BLE001 - the stale cudaErrorHostMemoryNotRegistered, expected once
+        pass
+    assert float(torch.ones(1, device=DEV).add_(1)) == 2.0
 
 
 INJECTION_CHILD = r"""
