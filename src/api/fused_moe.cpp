@@ -410,53 +410,75 @@ Tactic gemm_tactic(const FusedMoeParams& p, const GpuDims& d, int64_t n, int64_t
 
 }  // namespace
 
-int64_t fused_moe_workspace_size(const FusedMoeParams& p) {
-  validate_fused_moe(p);
-  // The CPU reference allocates its own scratch. A call the GPU cannot run fails here already, so a
-  // caller never allocates for it.
+namespace {
+
+// Scratch bytes of a validated call: 0 on the CPU (the reference allocates its own). A call the GPU
+// cannot run fails here already, so a caller never allocates for it.
+int64_t workspace_bytes_of(const FusedMoeParams& p) {
   if (!has_gpu_path(p)) return 0;
   const GpuDims d = gpu_dims(p);
   check_gpu_limits(p, d);
   return gpu_workspace_bytes(p, d);
 }
 
+// A forced tactic names a GPU kernel configuration; the reference has none to honour.
+void check_no_cpu_tactic(const FusedMoeParams& p) {
+  check_arg(p.tactic.empty(), "tactic", "empty on CPU tensors (the CPU reference has no tactics)",
+            "'" + p.tactic + "'");
+}
+
+// The GPU pipeline of a validated call on CUDA tensors, after the GPU-only checks: `out` is the
+// tensor it writes (fused_moe's output, or moe_expert_rows' rows when slot_rows is given), named
+// `out_name`; `op` and `size_fn` name the entry point and its workspace-size function in errors.
+void run_gpu_pipeline(const FusedMoeParams& p, const TensorRef& out, const char* out_name, const char* op,
+                      const char* size_fn, void* workspace, int64_t workspace_bytes, void* slot_rows,
+                      cudaStream_t stream) {
+  const GpuDims d = gpu_dims(p);
+  check_gpu_limits(p, d);  // before the build check: a call the GPU cannot run is refused by name
+  if (!cuda::kernels_built()) {
+    throw Error(op, "a qmoe build with CUDA kernels (QMOE_WITH_CUDA_KERNELS=ON)",
+                "a CPU-only build; pass CPU tensors or rebuild", ErrorKind::kRuntime);
+  }
+  const Tactic gemm1 = gemm_tactic(p, d, d.rows1, d.hidden);
+  const Tactic gemm2 = gemm_tactic(p, d, d.hidden, d.inter);
+  const int64_t need = gpu_workspace_bytes(p, d);
+  check_arg(workspace != nullptr && workspace_bytes >= need, "workspace",
+            "a CUDA buffer of at least " + str(need) + " bytes (" + size_fn + ")",
+            workspace == nullptr ? std::string("nullptr") : str(workspace_bytes) + " bytes");
+  check_arg(reinterpret_cast<uintptr_t>(workspace) % cuda::FusedMoeWorkspaceLayout::kAlign == 0, "workspace",
+            "a " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned pointer (as cudaMalloc returns)",
+            "an address that is not " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned");
+  // The pipeline writes every byte of the workspace: it must not overlap any tensor of the call.
+  TensorRef ws = out;
+  ws.data = workspace;
+  ws.dtype = DType::kUInt8;
+  ws.ndim = 1;
+  ws.shape[0] = workspace_bytes;
+  ws.strides[0] = 1;
+  check_no_alias(ws, "workspace", out, out_name);
+  check_output_no_alias(p, ws, "workspace");  // every input, optional ones included
+  if (uses_bf16_pipeline(p)) {
+    cuda::fused_moe_bf16_w4(p, gemm1, gemm2, workspace, slot_rows, stream);
+  } else {
+    cuda::fused_moe_w4a8_int4(p, gemm1, gemm2, workspace, slot_rows, stream);
+  }
+}
+
+}  // namespace
+
+int64_t fused_moe_workspace_size(const FusedMoeParams& p) {
+  validate_fused_moe(p);
+  return workspace_bytes_of(p);
+}
+
 void fused_moe(const FusedMoeParams& p, void* workspace, int64_t workspace_bytes, cudaStream_t stream) {
   validate_fused_moe(p);
   if (p.x.is_cuda()) {
-    const GpuDims d = gpu_dims(p);
-    check_gpu_limits(p, d);  // before the build check: a call the GPU cannot run is refused by name
-    if (!cuda::kernels_built()) {
-      throw Error("fused_moe", "a qmoe build with CUDA kernels (QMOE_WITH_CUDA_KERNELS=ON)",
-                  "a CPU-only build; pass CPU tensors or rebuild", ErrorKind::kRuntime);
-    }
-    const Tactic gemm1 = gemm_tactic(p, d, d.rows1, d.hidden);
-    const Tactic gemm2 = gemm_tactic(p, d, d.hidden, d.inter);
-    const int64_t need = gpu_workspace_bytes(p, d);
-    check_arg(workspace != nullptr && workspace_bytes >= need, "workspace",
-              "a CUDA buffer of at least " + str(need) + " bytes (fused_moe_workspace_size)",
-              workspace == nullptr ? std::string("nullptr") : str(workspace_bytes) + " bytes");
-    check_arg(reinterpret_cast<uintptr_t>(workspace) % cuda::FusedMoeWorkspaceLayout::kAlign == 0, "workspace",
-              "a " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned pointer (as cudaMalloc returns)",
-              "an address that is not " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned");
-    // The pipeline writes every byte of the workspace: it must not overlap any tensor of the call.
-    TensorRef ws = p.output;
-    ws.data = workspace;
-    ws.dtype = DType::kUInt8;
-    ws.ndim = 1;
-    ws.shape[0] = workspace_bytes;
-    ws.strides[0] = 1;
-    check_no_alias(ws, "workspace", p.output, "output");
-    check_output_no_alias(p, ws, "workspace");  // every input, optional ones included
-    if (uses_bf16_pipeline(p)) {
-      cuda::fused_moe_bf16_w4(p, gemm1, gemm2, workspace, nullptr, stream);
-    } else {
-      cuda::fused_moe_w4a8_int4(p, gemm1, gemm2, workspace, nullptr, stream);
-    }
+    run_gpu_pipeline(p, p.output, "output", "fused_moe", "fused_moe_workspace_size", workspace, workspace_bytes,
+                     nullptr, stream);
     return;
   }
-  // A forced tactic names a GPU kernel configuration; the reference has none to honour.
-  check_arg(p.tactic.empty(), "tactic", "empty on CPU tensors (the CPU reference has no tactics)",
-            "'" + p.tactic + "'");
+  check_no_cpu_tactic(p);
   reference::fused_moe(p);
 }
 
@@ -465,50 +487,19 @@ void fused_moe(const FusedMoeParams& p, void* workspace, int64_t workspace_bytes
 
 int64_t moe_expert_rows_workspace_size(const FusedMoeParams& p, const TensorRef& rows) {
   validate_moe_expert_rows(p, rows);
-  if (!has_gpu_path(p)) return 0;
-  const GpuDims d = gpu_dims(p);
-  check_gpu_limits(p, d);
-  return gpu_workspace_bytes(p, d);
+  return workspace_bytes_of(p);
 }
 
 void moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows, void* workspace, int64_t workspace_bytes,
                      cudaStream_t stream) {
   validate_moe_expert_rows(p, rows);
-  if (!p.x.is_cuda()) {
-    check_arg(p.tactic.empty(), "tactic", "empty on CPU tensors (the CPU reference has no tactics)",
-              "'" + p.tactic + "'");
-    reference::moe_expert_rows(p, rows);
+  if (p.x.is_cuda()) {
+    run_gpu_pipeline(p, rows, "rows", "moe_expert_rows", "moe_expert_rows_workspace_size", workspace,
+                     workspace_bytes, rows.data, stream);
     return;
   }
-  const GpuDims d = gpu_dims(p);
-  check_gpu_limits(p, d);
-  if (!cuda::kernels_built()) {
-    throw Error("moe_expert_rows", "a qmoe build with CUDA kernels (QMOE_WITH_CUDA_KERNELS=ON)",
-                "a CPU-only build; pass CPU tensors or rebuild", ErrorKind::kRuntime);
-  }
-  const Tactic gemm1 = gemm_tactic(p, d, d.rows1, d.hidden);
-  const Tactic gemm2 = gemm_tactic(p, d, d.hidden, d.inter);
-  const int64_t need = gpu_workspace_bytes(p, d);
-  check_arg(workspace != nullptr && workspace_bytes >= need, "workspace",
-            "a CUDA buffer of at least " + str(need) + " bytes (moe_expert_rows_workspace_size)",
-            workspace == nullptr ? std::string("nullptr") : str(workspace_bytes) + " bytes");
-  check_arg(reinterpret_cast<uintptr_t>(workspace) % cuda::FusedMoeWorkspaceLayout::kAlign == 0, "workspace",
-            "a " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned pointer (as cudaMalloc returns)",
-            "an address that is not " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned");
-  // The pipeline writes every byte of the workspace: it must not overlap any tensor of the call.
-  TensorRef ws = rows;
-  ws.data = workspace;
-  ws.dtype = DType::kUInt8;
-  ws.ndim = 1;
-  ws.shape[0] = workspace_bytes;
-  ws.strides[0] = 1;
-  check_no_alias(ws, "workspace", rows, "rows");
-  check_output_no_alias(p, ws, "workspace");  // every input, optional ones included
-  if (uses_bf16_pipeline(p)) {
-    cuda::fused_moe_bf16_w4(p, gemm1, gemm2, workspace, rows.data, stream);
-  } else {
-    cuda::fused_moe_w4a8_int4(p, gemm1, gemm2, workspace, rows.data, stream);
-  }
+  check_no_cpu_tactic(p);
+  reference::moe_expert_rows(p, rows);
 }
 
 }  // namespace qmoe
