@@ -8,6 +8,7 @@
 #include <atomic>
 #include <string>
 
+#include "cuda/gemm/resident_ctas.h"
 #include "cuda/gemm/sm90_grouped_gemm_bf16_w4.cuh"
 #include "cuda/launch.h"
 #include "qmoe/error.h"
@@ -18,21 +19,8 @@ namespace qmoe::cuda::bf16w4 {
 template <W4Format F, class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
 void launch_typed(const Bf16W4Params& params, int64_t rows, int device, cudaStream_t stream) {
   using Cfg = Config<F, WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
-  auto kernel = sm90_grouped_gemm_bf16_w4_kernel<F, OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>;
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> slots[kMaxDevices] = {};  // CTAs resident at once per device, 0 = not queried
-  check_arg(device >= 0 && device < kMaxDevices, "a", "a CUDA device index below 64", std::to_string(device));
-  int fit = slots[device].load(std::memory_order_relaxed);
-  if (fit == 0) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
-               "cudaFuncSetAttribute(bf16 x 4-bit grouped gemm)");
-    int sms = 0, per_sm = 0;
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, Cfg::kSmemBytes),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(bf16 x 4-bit grouped gemm)");
-    fit = sms * (per_sm > 0 ? per_sm : 1);
-    slots[device].store(fit, std::memory_order_relaxed);
-  }
+  constexpr auto kernel = sm90_grouped_gemm_bf16_w4_kernel<F, OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>;
+  const int fit = resident_ctas<kernel>(Cfg::kThreads, Cfg::kSmemBytes, device, "occupancy of the bf16 x 4-bit gemm");
   const int64_t n_tiles = (params.n + Cfg::kTileM - 1) / Cfg::kTileM;
   const int64_t max_tiles = (rows / Cfg::kTileN + params.num_experts) * n_tiles;
   const int64_t grid = max_tiles < fit ? (max_tiles > 0 ? max_tiles : 1) : fit;

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"
+#include "cuda/gemm/resident_ctas.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
 #include "cuda/launch.h"
 #include "qmoe/error.h"
@@ -31,29 +32,11 @@ namespace {
 using w4a8::Config;
 using w4a8::sm90_grouped_gemm_w4a8_int4_kernel;
 
-// Occupancy and SM count per device, queried once per instantiation (cheap host calls, legal while
-// a stream is being captured).
-constexpr int kMaxDevices = 64;
-
 template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
 void launch_typed(const W4A8GemmParams& params, int64_t rows, int device, cudaStream_t stream) {
   using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
-  auto kernel = sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>;
-  // CTAs that fit on the device at once, 0 = not queried. Atomic: two host threads may launch the
-  // same configuration for the first time at once (both compute the same value).
-  static std::atomic<int> slots[kMaxDevices] = {};
-  check_arg(device >= 0 && device < kMaxDevices, "a", "a CUDA device index below 64", std::to_string(device));
-  int fit = slots[device].load(std::memory_order_relaxed);
-  if (fit == 0) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
-               "cudaFuncSetAttribute(w4a8 grouped gemm)");
-    int sms = 0, per_sm = 0;
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, Cfg::kSmemBytes),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(w4a8 grouped gemm)");
-    fit = sms * (per_sm > 0 ? per_sm : 1);
-    slots[device].store(fit, std::memory_order_relaxed);
-  }
+  constexpr auto kernel = sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>;
+  const int fit = resident_ctas<kernel>(Cfg::kThreads, Cfg::kSmemBytes, device, "occupancy of the w4a8 grouped gemm");
   // Upper bound of the tiles (the real count is only known on the device): every expert may add
   // one partial token tile.
   const int64_t n_tiles = (params.n + Cfg::kTileM - 1) / Cfg::kTileM;

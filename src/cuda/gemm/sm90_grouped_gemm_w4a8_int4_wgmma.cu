@@ -23,6 +23,7 @@
 #include "cuda/common/int4_to_e4m3.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
+#include "cuda/gemm/resident_ctas.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
 #include "qmoe/error.h"
 
@@ -282,16 +283,12 @@ namespace {
 template <class OutT, int TILE_N>
 void launch_typed(const WgmmaGemmParams& params, cudaStream_t stream) {
   constexpr int kSmem = wgmma_prefill::Shape<TILE_N>::kSmemBytes;
-  auto kernel = wgmma_prefill::kernel<OutT, TILE_N>;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
-             "cudaFuncSetAttribute(w4a8 wgmma prefill)");
-  int device = 0, sms = 0, per_sm = 0;
+  constexpr auto kernel = wgmma_prefill::kernel<OutT, TILE_N>;
+  int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
   // The 64-token tile needs ~120 registers and 75 KB: two CTAs fit on an SM, and both are used.
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, wgmma_prefill::kThreads, kSmem),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor(w4a8 wgmma prefill)");
-  launch_kernel(kernel, dim3(sms * (per_sm > 0 ? per_sm : 1)), dim3(wgmma_prefill::kThreads), kSmem, stream, params);
+  const int fit = resident_ctas<kernel>(wgmma_prefill::kThreads, kSmem, device, "occupancy of the w4a8 wgmma prefill");
+  launch_kernel(kernel, dim3(fit), dim3(wgmma_prefill::kThreads), kSmem, stream, params);
   check_cuda(cudaGetLastError(), "w4a8 wgmma prefill launch");
 }
 }  // namespace

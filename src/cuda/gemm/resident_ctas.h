@@ -1,0 +1,35 @@
+// CTAs of one kernel configuration that fit on a device at once (SMs x occupancy): the size of a
+// persistent grid. Queried once per (kernel, device) and cached: cheap host calls that are legal while
+// a stream is being captured. The cache is atomic because two host threads may launch the same
+// configuration for the first time at once (both compute the same value).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <string>
+
+#include "cuda/launch.h"  // check_cuda
+#include "qmoe/error.h"
+
+namespace qmoe::cuda {
+
+// kKernel: the kernel (a __global__ function). Also raises its dynamic shared memory limit to smem_bytes.
+template <auto kKernel>
+int resident_ctas(int threads, int smem_bytes, int device, const char* what) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices] = {};
+  check_arg(device >= 0 && device < kMaxDevices, "device", "a CUDA device index below 64", std::to_string(device));
+  int fit = cache[device].load(std::memory_order_relaxed);
+  if (fit == 0) {
+    check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), what);
+    int sms = 0, per_sm = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, smem_bytes), what);
+    fit = sms * (per_sm > 0 ? per_sm : 1);
+    cache[device].store(fit, std::memory_order_relaxed);
+  }
+  return fit;
+}
+
+}  // namespace qmoe::cuda
