@@ -176,8 +176,41 @@ def dequantize_int4_g128(q, scales):
     return out
 
 
+def _pack_int4_torch(v):
+    """pack_int4 with torch ops on v's device (bit-identical to the C++ packer: two's complement
+    nibbles, even K index low)."""
+    import torch
+
+    if v.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        raise TypeError(f"qmoe.quant: argument 'values': expected an integer tensor, got dtype {v.dtype}")
+    if v.dim() < 1 or v.shape[-1] % 2:
+        raise ValueError(f"qmoe: argument 'values': expected a last dimension that is a multiple of 2, "
+                         f"got shape {tuple(v.shape)}")
+    if v.dtype != torch.int8 and v.numel() and bool(((v < -8) | (v > 7)).any()):  # one host sync
+        raise ValueError("qmoe: argument 'values': expected int4 values in [-8, 7], "
+                         f"got range [{int(v.min())}, {int(v.max())}]")
+    w = v.to(torch.int16)
+    byte = (w[..., 0::2] & 0xF) | ((w[..., 1::2] & 0xF) << 4)
+    return byte.to(torch.uint8).view(torch.int8).contiguous()
+
+
+def _unpack_int4_torch(p):
+    """unpack_int4 with torch ops on p's device: int8 values in [-8, 7], [..., 2 * K/2]."""
+    import torch
+
+    if p.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"qmoe.quant: argument 'packed': expected int8 or uint8, got dtype {p.dtype}")
+    b = p.view(torch.uint8).to(torch.int16)
+    lo, hi = b & 0xF, (b >> 4) & 0xF
+    pair = torch.stack(((lo ^ 8) - 8, (hi ^ 8) - 8), dim=-1)  # sign-extend the nibbles
+    return pair.reshape(*p.shape[:-1], p.shape[-1] * 2).to(torch.int8)
+
+
 def pack_int4(values):
-    """int values in [-8, 7] [..., K] (K even) -> int8 [..., K/2], even K index in the low nibble."""
+    """int values in [-8, 7] [..., K] (K even) -> int8 [..., K/2], even K index in the low nibble.
+    CUDA tensors are packed on their device (torch ops); everything else on the CPU."""
+    if _on_gpu(values):
+        return _pack_int4_torch(values)
     v = _host(values, "values")
     if v.dtype.kind not in "iu":
         raise TypeError(f"qmoe.quant: argument 'values': expected an integer array, got dtype {v.dtype}")
@@ -193,7 +226,9 @@ def pack_int4(values):
 
 
 def unpack_int4(packed):
-    """int4 [..., K/2] (int8/uint8) -> int8 values [..., K]."""
+    """int4 [..., K/2] (int8/uint8) -> int8 values [..., K]. CUDA tensors stay on their device."""
+    if _on_gpu(packed):
+        return _unpack_int4_torch(packed)
     p = _codes_u8(packed, "packed")
     values = np.empty(p.shape[:-1] + (p.shape[-1] * 2,), np.int8)
     _C.unpack_int4(arg(p, "packed"), arg(values, "values"))
