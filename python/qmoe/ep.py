@@ -372,12 +372,9 @@ class ExpertParallelMoE:
 
 
 def _numpy_to_torch(a):
-    import torch
+    from . import testing
 
-    a = np.ascontiguousarray(a)
-    if a.dtype == quant.E4M3:
-        return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
-    return torch.from_numpy(a)
+    return testing.to_torch(np.asarray(a), "cpu")
 
 
 def _itemsize(t) -> int:

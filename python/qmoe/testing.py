@@ -305,3 +305,21 @@ def make_fused_moe_case(quant_mode, num_tokens, hidden, inter, num_experts, top_
             kw.update(x=act["x"], x_scale=act["x_sf"], fc2_input_scale=np.array([fc2], np.float32))
     kw.update(w1=w1.q, w1_scale=w1.scale, w2=w2.q, w2_scale=w2.scale, w1_alpha=alpha1, w2_alpha=alpha2)
     return kw
+
+
+def to_torch(a, device="cuda"):
+    """A numpy array as a torch tensor on `device` (bf16 and e4m3 cross as same-size integer views,
+    the ml_dtypes types torch.from_numpy cannot read); a dict (e.g. a make_fused_moe_case) is
+    converted value by value; anything else is returned as it is. Needs torch."""
+    import torch
+
+    if isinstance(a, dict):
+        return {k: to_torch(v, device) for k, v in a.items()}
+    if not isinstance(a, np.ndarray):
+        return a
+    a = np.ascontiguousarray(a)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).to(device).view(torch.bfloat16)
+    if a.dtype.name == "float8_e4m3fn":
+        return torch.from_numpy(a.view(np.uint8)).to(device).view(torch.float8_e4m3fn)
+    return torch.from_numpy(a).to(device)

@@ -33,13 +33,6 @@ def to_np(t) -> np.ndarray:
 
 def to_dev(a, device="cuda"):
     """A numpy array as a torch tensor on `device` (anything else passes through)."""
-    import torch
+    from qmoe import testing
 
-    if not isinstance(a, np.ndarray):
-        return a
-    a = np.ascontiguousarray(a)
-    if a.dtype == np.dtype(ml_dtypes.bfloat16):
-        return torch.from_numpy(a.view(np.int16)).to(device).view(torch.bfloat16)
-    if a.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
-        return torch.from_numpy(a.view(np.uint8)).to(device).view(torch.float8_e4m3fn)
-    return torch.from_numpy(a).to(device)
+    return testing.to_torch(a, device)

@@ -376,18 +376,10 @@ def weight_sets(touched_bytes, set_bytes, args, make):
 
 
 def numpy_to_torch(torch, a, device):
-    """A numpy array (bf16 / e4m3 from ml_dtypes through same-size integer views) as a torch
-    tensor on `device`; anything else is returned as it is (the tests' conversion)."""
-    import numpy as np
+    """A numpy array as a torch tensor on `device` (qmoe.testing.to_torch); anything else as it is."""
+    from .. import testing
 
-    if not isinstance(a, np.ndarray):
-        return a
-    a = np.ascontiguousarray(a)
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(a.view(np.int16)).to(device).view(torch.bfloat16)
-    if a.dtype.name == "float8_e4m3fn":
-        return torch.from_numpy(a.view(np.uint8)).to(device).view(torch.float8_e4m3fn)
-    return torch.from_numpy(a).to(device)
+    return testing.to_torch(a, device)
 
 
 def torch_to_numpy(torch, t):
