@@ -39,3 +39,11 @@ inline void check_arg(bool cond, const std::string& argument, const std::string&
 }
 
 }  // namespace qmoe
+
+// check_arg with lazy messages: the argument, expected and got expressions (and the optional kind) are
+// evaluated only when cond is false. Validation runs on every call, and building the message strings
+// of checks that pass cost ~30 us per fused_moe call; the hot validation paths use this form.
+#define QMOE_CHECK_ARG(cond, ...)                               \
+  do {                                                          \
+    if (!(cond)) throw ::qmoe::Error(__VA_ARGS__);              \
+  } while (0)

@@ -55,7 +55,7 @@ std::string str(int64_t v) { return std::to_string(v); }
 std::string fstr(float v) { return std::to_string(v); }
 
 void check_has_data(const TensorRef& t, const std::string& name) {
-  check_arg(t.numel() == 0 || t.data != nullptr, name, "a non-null data pointer", "nullptr");
+  QMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "a non-null data pointer", "nullptr");
 }
 
 // dtype, shape, contiguity, data and device of one tensor.
@@ -69,14 +69,14 @@ void check_tensor(const TensorRef& t, const std::string& name, std::initializer_
 }
 
 void check_absent(const std::optional<TensorRef>& t, const std::string& name, const std::string& why) {
-  check_arg(!t.has_value(), name, "None (" + why + ")", "a tensor");
+  QMOE_CHECK_ARG(!t.has_value(), name, "None (" + why + ")", "a tensor");
 }
 
 // An f32 [n] tensor, or [1] / [n] when per_tensor_ok.
 void check_f32_vector(const TensorRef& t, const std::string& name, int64_t n, bool per_tensor_ok, const TensorRef& x) {
   check_dtype(t, name, DType::kFloat32);
   const bool ok = t.ndim == 1 && (t.size(0) == n || (per_tensor_ok && t.size(0) == 1));
-  check_arg(ok, name, per_tensor_ok ? "shape [1] or [" + str(n) + "]" : "shape [" + str(n) + "]",
+  QMOE_CHECK_ARG(ok, name, per_tensor_ok ? "shape [1] or [" + str(n) + "]" : "shape [" + str(n) + "]",
             "shape " + shape_string(t));
   check_contiguous(t, name);
   check_has_data(t, name);
@@ -120,7 +120,7 @@ void validate_mode(const FusedMoeParams& p, int64_t tokens, int64_t hidden, int6
       if (p.x_scale) {
         check_f32_vector(*p.x_scale, "x_scale", tokens, true, x);
       } else {
-        check_arg(x.dtype == DType::kBFloat16, "x_scale",
+        QMOE_CHECK_ARG(x.dtype == DType::kBFloat16, "x_scale",
                   "a f32 [1] or [T] dequant scale a1 (required when x is already float8_e4m3fn; "
                   "None means dynamic quantization of a bfloat16 x)",
                   "None");
@@ -139,9 +139,9 @@ void validate_mode(const FusedMoeParams& p, int64_t tokens, int64_t hidden, int6
     case QuantMode::kW4A4:
       check_dtype_in(x, "x", kFp4Storage);
       check_shape(x, "x", {tokens, hidden / 2});
-      check_arg(p.x_scale.has_value(), "x_scale", "e4m3 block scales [T, H/16] (required by " + mode + ")", "None");
+      QMOE_CHECK_ARG(p.x_scale.has_value(), "x_scale", "e4m3 block scales [T, H/16] (required by " + mode + ")", "None");
       check_tensor(*p.x_scale, "x_scale", kE4M3Storage, {tokens, hidden / kNvfp4Block}, x);
-      check_arg(p.fc2_input_scale.has_value(), "fc2_input_scale",
+      QMOE_CHECK_ARG(p.fc2_input_scale.has_value(), "fc2_input_scale",
                 "a f32 [1] encode scale of the intermediate (required by " + mode + ")", "None");
       check_f32_vector(*p.fc2_input_scale, "fc2_input_scale", 1, false, x);
       if (p.per_token_scale) check_f32_vector(*p.per_token_scale, "per_token_scale", tokens, false, x);
@@ -149,7 +149,7 @@ void validate_mode(const FusedMoeParams& p, int64_t tokens, int64_t hidden, int6
     case QuantMode::kW4A8Mx:
       check_dtype(x, "x", DType::kFloat8E4M3);
       check_shape(x, "x", {tokens, hidden});
-      check_arg(p.x_scale.has_value(), "x_scale", "ue8m0 block scales [T, H/32] (required by " + mode + ")", "None");
+      QMOE_CHECK_ARG(p.x_scale.has_value(), "x_scale", "ue8m0 block scales [T, H/32] (required by " + mode + ")", "None");
       check_tensor(*p.x_scale, "x_scale", kUE8M0Storage, {tokens, hidden / kMxBlock}, x);
       check_absent(p.fc2_input_scale, "fc2_input_scale", mode + " requantizes to MXFP8, which needs no global scale");
       check_absent(p.per_token_scale, "per_token_scale", "only quant_mode 'w4a4' takes a per-token scale");
@@ -160,9 +160,9 @@ void validate_mode(const FusedMoeParams& p, int64_t tokens, int64_t hidden, int6
 
   // NVFP4 weights carry their global decode scale in the alphas: without them the result is wrong.
   const bool alphas_required = p.quant_mode == QuantMode::kW4A4 || p.quant_mode == QuantMode::kW4A16;
-  check_arg(!alphas_required || p.w1_alpha.has_value(), "w1_alpha",
+  QMOE_CHECK_ARG(!alphas_required || p.w1_alpha.has_value(), "w1_alpha",
             "a f32 [E_l] per-expert GEMM1 scale (required by " + mode + ")", "None");
-  check_arg(!alphas_required || p.w2_alpha.has_value(), "w2_alpha",
+  QMOE_CHECK_ARG(!alphas_required || p.w2_alpha.has_value(), "w2_alpha",
             "a f32 [E_l] per-expert GEMM2 scale (required by " + mode + ")", "None");
   if (p.w1_alpha) check_f32_vector(*p.w1_alpha, "w1_alpha", local, false, x);
   if (p.w2_alpha) check_f32_vector(*p.w2_alpha, "w2_alpha", local, false, x);
@@ -173,27 +173,27 @@ void validate_activation(const FusedMoeParams& p, int64_t inter) {
   const bool situ = p.activation == Activation::kSitu;
   const std::string act = std::string("activation '") + activation_name(p.activation) + "'";
   // Parameters of another activation are refused rather than silently ignored.
-  check_arg(swiglu || p.swiglu_alpha == 1.0f, "swiglu_alpha", "1 (it only applies to activation 'swiglu')",
+  QMOE_CHECK_ARG(swiglu || p.swiglu_alpha == 1.0f, "swiglu_alpha", "1 (it only applies to activation 'swiglu')",
             fstr(p.swiglu_alpha) + " with " + act);
-  check_arg(swiglu || p.swiglu_beta == 0.0f, "swiglu_beta", "0 (it only applies to activation 'swiglu')",
+  QMOE_CHECK_ARG(swiglu || p.swiglu_beta == 0.0f, "swiglu_beta", "0 (it only applies to activation 'swiglu')",
             fstr(p.swiglu_beta) + " with " + act);
-  check_arg(swiglu || p.swiglu_limit == std::numeric_limits<float>::max(), "swiglu_limit",
+  QMOE_CHECK_ARG(swiglu || p.swiglu_limit == std::numeric_limits<float>::max(), "swiglu_limit",
             "FLT_MAX (it only applies to activation 'swiglu')", fstr(p.swiglu_limit) + " with " + act);
-  check_arg(std::isfinite(p.swiglu_alpha), "swiglu_alpha", "a finite value", fstr(p.swiglu_alpha));
-  check_arg(std::isfinite(p.swiglu_beta), "swiglu_beta", "a finite value", fstr(p.swiglu_beta));
-  check_arg(p.swiglu_limit > 0.0f, "swiglu_limit", "a value > 0", fstr(p.swiglu_limit));
-  check_arg(situ || p.situ_beta == 1.0f, "situ_beta", "1 (it only applies to activation 'situ')",
+  QMOE_CHECK_ARG(std::isfinite(p.swiglu_alpha), "swiglu_alpha", "a finite value", fstr(p.swiglu_alpha));
+  QMOE_CHECK_ARG(std::isfinite(p.swiglu_beta), "swiglu_beta", "a finite value", fstr(p.swiglu_beta));
+  QMOE_CHECK_ARG(p.swiglu_limit > 0.0f, "swiglu_limit", "a value > 0", fstr(p.swiglu_limit));
+  QMOE_CHECK_ARG(situ || p.situ_beta == 1.0f, "situ_beta", "1 (it only applies to activation 'situ')",
             fstr(p.situ_beta) + " with " + act);
-  check_arg(situ || !p.situ_linear_beta.has_value(), "situ_linear_beta",
+  QMOE_CHECK_ARG(situ || !p.situ_linear_beta.has_value(), "situ_linear_beta",
             "None (it only applies to activation 'situ')", fstr(p.situ_linear_beta.value_or(0.0f)) + " with " + act);
-  check_arg(std::isfinite(p.situ_beta) && p.situ_beta > 0.0f, "situ_beta", "a finite value > 0", fstr(p.situ_beta));
+  QMOE_CHECK_ARG(std::isfinite(p.situ_beta) && p.situ_beta > 0.0f, "situ_beta", "a finite value > 0", fstr(p.situ_beta));
   if (p.situ_linear_beta) {
     const float lb = *p.situ_linear_beta;
-    check_arg(std::isfinite(lb) && lb > 0.0f, "situ_linear_beta", "a finite value > 0", fstr(lb));
+    QMOE_CHECK_ARG(std::isfinite(lb) && lb > 0.0f, "situ_linear_beta", "a finite value > 0", fstr(lb));
   }
   // The interleaved gate/up layout pairs 64-row groups; ReLU^2 has no gate/up split, so any layout is fine.
   if (p.activation != Activation::kRelu2 && p.gate_up_layout == GateUpLayout::kUpGateInterleaved64) {
-    check_arg(inter % kGateUpGroup == 0, "gate_up_layout",
+    QMOE_CHECK_ARG(inter % kGateUpGroup == 0, "gate_up_layout",
               "intermediate size I % 64 == 0 for the [up; gate] 64-row interleaved layout", "I = " + str(inter));
   }
 }
@@ -238,13 +238,13 @@ namespace {
 void validate_inputs(const FusedMoeParams& p) {
   // Enums may come from integers across the binding.
   const int mode_value = static_cast<int>(p.quant_mode);
-  check_arg(mode_value >= 0 && mode_value <= static_cast<int>(QuantMode::kW4A16Int4), "quant_mode",
+  QMOE_CHECK_ARG(mode_value >= 0 && mode_value <= static_cast<int>(QuantMode::kW4A16Int4), "quant_mode",
             "one of w4a4, w4a8, w4a16, w4a8_int4, w4a16_int4", "value " + str(mode_value));
   const int act_value = static_cast<int>(p.activation);
-  check_arg(act_value >= 0 && act_value <= static_cast<int>(Activation::kSitu), "activation",
+  QMOE_CHECK_ARG(act_value >= 0 && act_value <= static_cast<int>(Activation::kSitu), "activation",
             "one of swiglu, geglu_tanh, relu2, situ", "value " + str(act_value));
   const int layout_value = static_cast<int>(p.gate_up_layout);
-  check_arg(layout_value == 0 || layout_value == 1, "gate_up_layout", "kGateUp or kUpGateInterleaved64",
+  QMOE_CHECK_ARG(layout_value == 0 || layout_value == 1, "gate_up_layout", "kGateUp or kUpGateInterleaved64",
             "value " + str(layout_value));
 
   // Routing.
@@ -252,16 +252,16 @@ void validate_inputs(const FusedMoeParams& p) {
   check_dtype(p.topk_ids, "topk_ids", DType::kInt32);
   check_ndim(p.topk_ids, "topk_ids", 2);
   const int64_t tokens = p.topk_ids.size(0), topk = p.topk_ids.size(1);
-  check_arg(topk >= 1 && topk <= kMaxTopK, "topk_ids", "top_k = topk_ids.size(1) in [1, 16]", "top_k = " + str(topk));
+  QMOE_CHECK_ARG(topk >= 1 && topk <= kMaxTopK, "topk_ids", "top_k = topk_ids.size(1) in [1, 16]", "top_k = " + str(topk));
   check_tensor(p.topk_ids, "topk_ids", {DType::kInt32}, {tokens, topk}, x);
   check_tensor(p.topk_weights, "topk_weights", {DType::kFloat32}, {tokens, topk}, x);
 
   // Experts.
-  check_arg(p.num_experts >= 1, "num_experts", "a value >= 1", str(p.num_experts));
+  QMOE_CHECK_ARG(p.num_experts >= 1, "num_experts", "a value >= 1", str(p.num_experts));
   const int64_t local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
-  check_arg(local >= 1, "num_local_experts", "a value >= 1 (0 means num_experts)", str(p.num_local_experts));
-  check_arg(p.local_expert_offset >= 0, "local_expert_offset", "a value >= 0", str(p.local_expert_offset));
-  check_arg(local <= p.num_experts && p.local_expert_offset <= p.num_experts - local, "num_local_experts",
+  QMOE_CHECK_ARG(local >= 1, "num_local_experts", "a value >= 1 (0 means num_experts)", str(p.num_local_experts));
+  QMOE_CHECK_ARG(p.local_expert_offset >= 0, "local_expert_offset", "a value >= 0", str(p.local_expert_offset));
+  QMOE_CHECK_ARG(local <= p.num_experts && p.local_expert_offset <= p.num_experts - local, "num_local_experts",
             "local_expert_offset + num_local_experts <= num_experts = " + str(p.num_experts),
             str(p.local_expert_offset) + " + " + str(local));
 
@@ -271,14 +271,14 @@ void validate_inputs(const FusedMoeParams& p) {
   check_dtype_in(p.w2, "w2", weight_types);
   check_ndim(p.w2, "w2", 3);
   const int64_t hidden = p.w2.size(1), inter = 2 * p.w2.size(2);
-  check_arg(hidden > 0 && inter > 0, "w2", "a non-empty [E_l, H, I/2] tensor", "shape " + shape_string(p.w2));
+  QMOE_CHECK_ARG(hidden > 0 && inter > 0, "w2", "a non-empty [E_l, H, I/2] tensor", "shape " + shape_string(p.w2));
   const int64_t block = is_int4_mode(mode) ? kInt4Group : mode == QuantMode::kW4A8Mx ? kMxBlock : kNvfp4Block;
   const std::string block_why = is_int4_mode(mode) ? "the int4 weight group size"
                                 : mode == QuantMode::kW4A8Mx ? "the MX block size"
                                                              : "the NVFP4 block size";
-  check_arg(hidden % block == 0, "w2", "hidden size H = w2.size(1) divisible by " + str(block) + " (" + block_why + ")",
+  QMOE_CHECK_ARG(hidden % block == 0, "w2", "hidden size H = w2.size(1) divisible by " + str(block) + " (" + block_why + ")",
             "H = " + str(hidden));
-  check_arg(inter % block == 0, "w2",
+  QMOE_CHECK_ARG(inter % block == 0, "w2",
             "intermediate size I = 2 * w2.size(2) divisible by " + str(block) + " (" + block_why + ")",
             "I = " + str(inter));
   check_tensor(p.w2, "w2", weight_types, {local, hidden, inter / 2}, x);
@@ -290,7 +290,7 @@ void validate_inputs(const FusedMoeParams& p) {
 
   validate_mode(p, tokens, hidden, local);
   validate_activation(p, inter);
-  check_arg(std::isfinite(p.routed_scaling_factor), "routed_scaling_factor", "a finite value",
+  QMOE_CHECK_ARG(std::isfinite(p.routed_scaling_factor), "routed_scaling_factor", "a finite value",
             fstr(p.routed_scaling_factor));
 }
 
@@ -356,7 +356,7 @@ int64_t gpu_workspace_bytes(const FusedMoeParams& p, const GpuDims& d) {
 }
 
 void check_aligned16(const TensorRef& t, const std::string& name) {
-  check_arg(reinterpret_cast<uintptr_t>(t.data) % 16 == 0, name,
+  QMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(t.data) % 16 == 0, name,
             "a 16-byte aligned data pointer (the GPU kernels copy 16-byte chunks)",
             "an address that is not 16-byte aligned");
 }
@@ -364,7 +364,7 @@ void check_aligned16(const TensorRef& t, const std::string& name) {
 // Limits of the GPU pipelines that validate_fused_moe (device independent) does not impose; checked
 // by fused_moe_workspace_size too, so a call the GPU cannot run fails before anything is allocated.
 void check_gpu_limits(const FusedMoeParams& p, const GpuDims& d) {
-  check_arg(d.local <= kMaxExperts, "num_local_experts",
+  QMOE_CHECK_ARG(d.local <= kMaxExperts, "num_local_experts",
             "at most " + std::to_string(kMaxExperts) + " local experts on the GPU (routing scan and GEMM work list)",
             str(d.local));
   if (!is_int4_mode(p.quant_mode)) {
@@ -372,10 +372,10 @@ void check_gpu_limits(const FusedMoeParams& p, const GpuDims& d) {
     // blocks), and the requant kernel maps 16/32-blocks of I onto warp lanes: K = H for GEMM1 and
     // K = I for GEMM2 must be multiples of 32 (validation asks only 16 of NVFP4 weights).
     constexpr int64_t kGpuKStep = 32;
-    check_arg(d.hidden % kGpuKStep == 0, "w2",
+    QMOE_CHECK_ARG(d.hidden % kGpuKStep == 0, "w2",
               "hidden size H = w2.size(1) divisible by 32 on the GPU (the K step of its FP4 GEMM)",
               "H = " + str(d.hidden));
-    check_arg(d.inter % kGpuKStep == 0, "w2",
+    QMOE_CHECK_ARG(d.inter % kGpuKStep == 0, "w2",
               "intermediate size I = 2 * w2.size(2) divisible by 32 on the GPU (the K step of its FP4 GEMM)",
               "I = " + str(d.inter));
   }
@@ -404,7 +404,7 @@ Tactic gemm_tactic(const FusedMoeParams& p, const GpuDims& d, int64_t n, int64_t
     ok = ok || t == forced;
     names += (names.empty() ? "" : ", ") + t.name();
   }
-  check_arg(ok, "tactic", "one of the tactics valid for both GEMMs: [" + names + "]", "'" + p.tactic + "'");
+  QMOE_CHECK_ARG(ok, "tactic", "one of the tactics valid for both GEMMs: [" + names + "]", "'" + p.tactic + "'");
   return forced;
 }
 
@@ -423,7 +423,7 @@ int64_t workspace_bytes_of(const FusedMoeParams& p) {
 
 // A forced tactic names a GPU kernel configuration; the reference has none to honour.
 void check_no_cpu_tactic(const FusedMoeParams& p) {
-  check_arg(p.tactic.empty(), "tactic", "empty on CPU tensors (the CPU reference has no tactics)",
+  QMOE_CHECK_ARG(p.tactic.empty(), "tactic", "empty on CPU tensors (the CPU reference has no tactics)",
             "'" + p.tactic + "'");
 }
 
@@ -442,10 +442,10 @@ void run_gpu_pipeline(const FusedMoeParams& p, const TensorRef& out, const char*
   const Tactic gemm1 = gemm_tactic(p, d, d.rows1, d.hidden);
   const Tactic gemm2 = gemm_tactic(p, d, d.hidden, d.inter);
   const int64_t need = gpu_workspace_bytes(p, d);
-  check_arg(workspace != nullptr && workspace_bytes >= need, "workspace",
+  QMOE_CHECK_ARG(workspace != nullptr && workspace_bytes >= need, "workspace",
             "a CUDA buffer of at least " + str(need) + " bytes (" + size_fn + ")",
             workspace == nullptr ? std::string("nullptr") : str(workspace_bytes) + " bytes");
-  check_arg(reinterpret_cast<uintptr_t>(workspace) % cuda::FusedMoeWorkspaceLayout::kAlign == 0, "workspace",
+  QMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(workspace) % cuda::FusedMoeWorkspaceLayout::kAlign == 0, "workspace",
             "a " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned pointer (as cudaMalloc returns)",
             "an address that is not " + str(cuda::FusedMoeWorkspaceLayout::kAlign) + "-byte aligned");
   // The pipeline writes every byte of the workspace: it must not overlap any tensor of the call.

@@ -32,7 +32,7 @@ constexpr int64_t kOutputAlign = 8;  // bf16 output rows must be 16-byte aligned
 constexpr int kTmaAlignBytes = 16;   // TMA base addresses
 
 void check_has_data(const TensorRef& t, const std::string& name) {
-  check_arg(t.numel() == 0 || t.data != nullptr, name, "a non-null data pointer", "nullptr");
+  QMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "a non-null data pointer", "nullptr");
 }
 
 std::string dim_string(const char* what, int64_t value) { return std::string(what) + " = " + std::to_string(value); }
@@ -51,7 +51,7 @@ void check_strides(const std::optional<TensorRef>& strides, const std::string& n
   if (s.is_cuda()) return;
   const int64_t* v = s.ptr<const int64_t>();
   for (int64_t i = 0; i < experts * 3; ++i) {
-    check_arg(v[i] == leading_dim, name,
+    QMOE_CHECK_ARG(v[i] == leading_dim, name,
               "every entry equal to the leading dimension " + std::string(leading_name) + " = " +
                   std::to_string(leading_dim),
               "entry [" + std::to_string(i / 3) + ", " + std::to_string(i % 3) + "] = " + std::to_string(v[i]));
@@ -70,18 +70,18 @@ void validate_w4a8_moe_mm(const W4A8MoeMmArgs& args) {
   const TensorRef& sizes = args.problem_sizes;
 
   // Scalars.
-  check_arg(args.chunk_size == kGroupSize, "chunk_size",
+  QMOE_CHECK_ARG(args.chunk_size == kGroupSize, "chunk_size",
             "128 (the int4 weight group size along K; the only one supported)", std::to_string(args.chunk_size));
-  check_arg(args.topk >= 1, "topk", "a value >= 1", std::to_string(args.topk));
+  QMOE_CHECK_ARG(args.topk >= 1, "topk", "a value >= 1", std::to_string(args.topk));
 
   // a: e4m3 [R, K]; K drives the scale layout and must be a whole number of weight groups.
   check_dtype(a, "a", DType::kFloat8E4M3);
-  check_arg(a.ndim == 2, "a", "a 2-D tensor [R, K] (the 3-D masked layout is not supported)",
+  QMOE_CHECK_ARG(a.ndim == 2, "a", "a 2-D tensor [R, K] (the 3-D masked layout is not supported)",
             std::to_string(a.ndim) + "-D tensor of shape " + shape_string(a));
   check_contiguous(a, "a");
   check_has_data(a, "a");
   const int64_t rows = a.size(0), k = a.size(1);
-  check_arg(k > 0 && k % kGroupSize == 0, "a",
+  QMOE_CHECK_ARG(k > 0 && k % kGroupSize == 0, "a",
             "K = a.size(1) a positive multiple of 128 (the int4 weight group size)", dim_string("K", k));
 
   // d: bf16 [R, N]. fp16 is refused explicitly: SGLang used to write it and overflowed (issue #8493).
@@ -91,19 +91,19 @@ void validate_w4a8_moe_mm(const W4A8MoeMmArgs& args) {
   }
   check_dtype(d, "d", DType::kBFloat16);
   check_ndim(d, "d", 2);
-  check_arg(d.size(0) == rows, "d", "R = " + std::to_string(rows) + " rows (a.size(0))",
+  QMOE_CHECK_ARG(d.size(0) == rows, "d", "R = " + std::to_string(rows) + " rows (a.size(0))",
             "shape " + shape_string(d));
   check_contiguous(d, "d");
   check_has_data(d, "d");
   const int64_t n = d.size(1);
-  check_arg(n > 0 && n % kOutputAlign == 0, "d",
+  QMOE_CHECK_ARG(n > 0 && n % kOutputAlign == 0, "d",
             "N = d.size(1) a positive multiple of 8 (16-byte aligned bf16 output rows)", dim_string("N", n));
 
   // expert_offsets: int32 [E], start row of each expert; its length defines E.
   check_dtype(offsets, "expert_offsets", DType::kInt32);
   check_ndim(offsets, "expert_offsets", 1);
   const int64_t experts = offsets.size(0);
-  check_arg(experts >= 1 && experts <= kMaxExperts, "expert_offsets",
+  QMOE_CHECK_ARG(experts >= 1 && experts <= kMaxExperts, "expert_offsets",
             "E = expert_offsets.size(0) in [1, " + std::to_string(kMaxExperts) + "]", dim_string("E", experts));
   check_contiguous(offsets, "expert_offsets");
   check_has_data(offsets, "expert_offsets");
@@ -116,7 +116,7 @@ void validate_w4a8_moe_mm(const W4A8MoeMmArgs& args) {
 
   // a_scales: fp32 [1] (per tensor) or [R] (per row).
   check_dtype(a_scales, "a_scales", DType::kFloat32);
-  check_arg(a_scales.ndim == 1 && (a_scales.size(0) == 1 || a_scales.size(0) == rows), "a_scales",
+  QMOE_CHECK_ARG(a_scales.ndim == 1 && (a_scales.size(0) == 1 || a_scales.size(0) == rows), "a_scales",
             "shape [1] (per tensor) or [" + std::to_string(rows) + "] (one scale per row of a)",
             "shape " + shape_string(a_scales));
   check_contiguous(a_scales, "a_scales");
@@ -187,11 +187,11 @@ void validate_w4a8_moe_mm(const W4A8MoeMmArgs& args) {
     const int64_t pn = ps[3 * e], m = ps[3 * e + 1], pk = ps[3 * e + 2];
     const std::string row = "problem_sizes[" + std::to_string(e) + "] = (" + std::to_string(pn) + ", " +
                             std::to_string(m) + ", " + std::to_string(pk) + ")";
-    check_arg(pn == n && pk == k && m >= 0, "problem_sizes",
+    QMOE_CHECK_ARG(pn == n && pk == k && m >= 0, "problem_sizes",
               "rows (N, M_e, K) = (" + std::to_string(n) + ", M_e >= 0, " + std::to_string(k) + ")", row);
     if (m == 0) continue;
     const int64_t begin = off[e];
-    check_arg(begin >= 0 && begin + m <= rows, "expert_offsets",
+    QMOE_CHECK_ARG(begin >= 0 && begin + m <= rows, "expert_offsets",
               "each expert's rows [expert_offsets[e], expert_offsets[e] + M_e) within [0, R = " +
                   std::to_string(rows) + ")",
               "expert " + std::to_string(e) + ": rows [" + std::to_string(begin) + ", " +
@@ -205,7 +205,7 @@ void validate_w4a8_moe_mm(const W4A8MoeMmArgs& args) {
   for (size_t i = 1; i < order.size(); ++i) {
     const auto& prev = blocks[order[i - 1]];
     const auto& cur = blocks[order[i]];
-    check_arg(cur.first >= prev.second, "expert_offsets", "disjoint row blocks for the experts",
+    QMOE_CHECK_ARG(cur.first >= prev.second, "expert_offsets", "disjoint row blocks for the experts",
               "experts " + std::to_string(block_expert[order[i - 1]]) + " and " +
                   std::to_string(block_expert[order[i]]) + " overlapping at row " + std::to_string(cur.first));
   }

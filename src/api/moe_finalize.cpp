@@ -25,7 +25,7 @@ void check_plain(const TensorRef& t, const std::string& name, std::initializer_l
   check_dtype_in(t, name, dtypes);
   check_shape(t, name, shape);
   check_contiguous(t, name);
-  check_arg(t.numel() == 0 || t.data != nullptr, name, "a non-null data pointer", "nullptr");
+  QMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "a non-null data pointer", "nullptr");
   check_same_device(t, name, rows, "rows");
 }
 
@@ -35,26 +35,26 @@ void validate_moe_finalize(const MoeFinalizeParams& p) {
   check_dtype(p.topk_ids, "topk_ids", DType::kInt32);
   check_ndim(p.topk_ids, "topk_ids", 2);
   const int64_t tokens = p.topk_ids.size(0), topk = p.topk_ids.size(1);
-  check_arg(topk >= 1 && topk <= kMaxTopK, "topk_ids", "top_k = topk_ids.size(1) in [1, 16]",
+  QMOE_CHECK_ARG(topk >= 1 && topk <= kMaxTopK, "topk_ids", "top_k = topk_ids.size(1) in [1, 16]",
             "top_k = " + std::to_string(topk));
   check_dtype(p.rows, "rows", DType::kBFloat16);
   check_ndim(p.rows, "rows", 2);
   const int64_t hidden = p.rows.size(1);
-  check_arg(hidden >= 1, "rows", "a [T*k, H] tensor with H >= 1", "shape " + shape_string(p.rows));
+  QMOE_CHECK_ARG(hidden >= 1, "rows", "a [T*k, H] tensor with H >= 1", "shape " + shape_string(p.rows));
   check_plain(p.rows, "rows", {DType::kBFloat16}, {tokens * topk, hidden}, p.rows);
   check_plain(p.topk_ids, "topk_ids", {DType::kInt32}, {tokens, topk}, p.rows);
   check_plain(p.topk_weights, "topk_weights", {DType::kFloat32}, {tokens, topk}, p.rows);
   check_plain(p.output, "output", {DType::kBFloat16, DType::kFloat16, DType::kFloat32}, {tokens, hidden}, p.rows);
 
-  check_arg(p.num_experts >= 1, "num_experts", "a value >= 1", std::to_string(p.num_experts));
+  QMOE_CHECK_ARG(p.num_experts >= 1, "num_experts", "a value >= 1", std::to_string(p.num_experts));
   const int64_t local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
-  check_arg(local >= 1, "num_local_experts", "a value >= 1 (0 means num_experts)",
+  QMOE_CHECK_ARG(local >= 1, "num_local_experts", "a value >= 1 (0 means num_experts)",
             std::to_string(p.num_local_experts));
-  check_arg(p.local_expert_offset >= 0, "local_expert_offset", "a value >= 0", std::to_string(p.local_expert_offset));
-  check_arg(local <= p.num_experts && p.local_expert_offset <= p.num_experts - local, "num_local_experts",
+  QMOE_CHECK_ARG(p.local_expert_offset >= 0, "local_expert_offset", "a value >= 0", std::to_string(p.local_expert_offset));
+  QMOE_CHECK_ARG(local <= p.num_experts && p.local_expert_offset <= p.num_experts - local, "num_local_experts",
             "local_expert_offset + num_local_experts <= num_experts = " + std::to_string(p.num_experts),
             std::to_string(p.local_expert_offset) + " + " + std::to_string(local));
-  check_arg(std::isfinite(p.routed_scaling_factor), "routed_scaling_factor", "a finite value",
+  QMOE_CHECK_ARG(std::isfinite(p.routed_scaling_factor), "routed_scaling_factor", "a finite value",
             std::to_string(p.routed_scaling_factor));
 
   check_no_alias(p.output, "output", p.rows, "rows");

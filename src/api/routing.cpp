@@ -20,7 +20,7 @@ namespace {
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 void check_has_data(const TensorRef& t, const std::string& name) {
-  check_arg(t.numel() == 0 || t.data != nullptr, name, "a non-null data pointer", "nullptr");
+  QMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "a non-null data pointer", "nullptr");
 }
 
 void check_output(const TensorRef& t, const std::string& name, const TensorRef& topk_ids,
@@ -44,15 +44,15 @@ void get_cutlass_w4a8_moe_mm_data(const TensorRef& topk_ids, TensorRef expert_of
   check_has_data(topk_ids, "topk_ids");
   const int64_t slots = topk_ids.numel();
   // Permutation entries are int32 slot / row indices.
-  check_arg(slots <= kInt32Max, "topk_ids", "at most " + std::to_string(kInt32Max) + " elements",
+  QMOE_CHECK_ARG(slots <= kInt32Max, "topk_ids", "at most " + std::to_string(kInt32Max) + " elements",
             std::to_string(slots) + " elements");
 
-  check_arg(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts",
+  QMOE_CHECK_ARG(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts",
             "a value in [1, " + std::to_string(kMaxExperts) + "]", std::to_string(num_experts));
   // problem_sizes1 holds 2n as int32.
-  check_arg(n > 0 && n <= kInt32Max / 2, "n", "a value in [1, " + std::to_string(kInt32Max / 2) + "]",
+  QMOE_CHECK_ARG(n > 0 && n <= kInt32Max / 2, "n", "a value in [1, " + std::to_string(kInt32Max / 2) + "]",
             std::to_string(n));
-  check_arg(k > 0 && k <= kInt32Max, "k", "a value in [1, " + std::to_string(kInt32Max) + "]", std::to_string(k));
+  QMOE_CHECK_ARG(k > 0 && k <= kInt32Max, "k", "a value in [1, " + std::to_string(kInt32Max) + "]", std::to_string(k));
 
   check_output(expert_offsets, "expert_offsets", topk_ids, {num_experts + 1});
   check_output(problem_sizes1, "problem_sizes1", topk_ids, {num_experts, 3});

@@ -34,23 +34,23 @@ bool known_dtype(DType d) {
 // byte size feeds the alias check). Limits: 0 <= ndim <= 8, sizes >= 0, and numel * itemsize below
 // 2^62 bytes, so that no size computation in the library overflows int64.
 static void check_well_formed(const TensorRef& t, const std::string& name) {
-  check_arg(t.ndim >= 0 && t.ndim <= kMaxDims, name, "a tensor of 0 to " + std::to_string(kMaxDims) + " dimensions",
+  QMOE_CHECK_ARG(t.ndim >= 0 && t.ndim <= kMaxDims, name, "a tensor of 0 to " + std::to_string(kMaxDims) + " dimensions",
             "ndim = " + std::to_string(t.ndim));
-  check_arg(known_dtype(t.dtype), name, "a qmoe dtype", "dtype value " + std::to_string(static_cast<int>(t.dtype)),
+  QMOE_CHECK_ARG(known_dtype(t.dtype), name, "a qmoe dtype", "dtype value " + std::to_string(static_cast<int>(t.dtype)),
             ErrorKind::kType);
-  check_arg(t.device == Device::kCPU || t.device == Device::kCUDA, name, "a CPU or CUDA tensor",
+  QMOE_CHECK_ARG(t.device == Device::kCPU || t.device == Device::kCUDA, name, "a CPU or CUDA tensor",
             "device value " + std::to_string(static_cast<int>(t.device)));
-  check_arg(t.device == Device::kCPU || t.device_index >= 0, name, "a CUDA device index >= 0",
+  QMOE_CHECK_ARG(t.device == Device::kCPU || t.device_index >= 0, name, "a CUDA device index >= 0",
             "device index " + std::to_string(t.device_index));
   constexpr int64_t kMaxBytes = int64_t{1} << 62;
   int64_t bytes = info(t.dtype).size;
   bool empty = false;
   for (int i = 0; i < t.ndim; ++i) {
-    check_arg(t.shape[i] >= 0, name, "sizes >= 0", "shape " + shape_string(t));
+    QMOE_CHECK_ARG(t.shape[i] >= 0, name, "sizes >= 0", "shape " + shape_string(t));
     if (t.shape[i] == 0) empty = true;
   }
   for (int i = 0; i < t.ndim && !empty; ++i) {
-    check_arg(t.shape[i] <= kMaxBytes / bytes, name, "at most 2^62 bytes", "shape " + shape_string(t));
+    QMOE_CHECK_ARG(t.shape[i] <= kMaxBytes / bytes, name, "at most 2^62 bytes", "shape " + shape_string(t));
     bytes *= t.shape[i];
   }
 }
@@ -61,7 +61,7 @@ TensorRef make_tensor(void* data, DType dtype, std::initializer_list<int64_t> sh
   t.dtype = dtype;
   t.device = device;
   t.device_index = device_index;
-  check_arg(static_cast<int>(shape.size()) <= kMaxDims, "shape", "at most 8 dimensions",
+  QMOE_CHECK_ARG(static_cast<int>(shape.size()) <= kMaxDims, "shape", "at most 8 dimensions",
             std::to_string(shape.size()));
   t.ndim = static_cast<int>(shape.size());
   int i = 0;
@@ -98,7 +98,7 @@ std::string shape_string(const TensorRef& t) {
 
 void check_dtype(const TensorRef& t, const std::string& name, DType expected) {
   check_well_formed(t, name);
-  check_arg(t.dtype == expected, name, std::string("dtype ") + dtype_name(expected),
+  QMOE_CHECK_ARG(t.dtype == expected, name, std::string("dtype ") + dtype_name(expected),
             std::string("dtype ") + dtype_name(t.dtype), ErrorKind::kType);
 }
 
@@ -116,7 +116,7 @@ void check_dtype_in(const TensorRef& t, const std::string& name, std::initialize
 
 void check_ndim(const TensorRef& t, const std::string& name, int ndim) {
   check_well_formed(t, name);
-  check_arg(t.ndim == ndim, name, std::to_string(ndim) + "-D tensor",
+  QMOE_CHECK_ARG(t.ndim == ndim, name, std::to_string(ndim) + "-D tensor",
             std::to_string(t.ndim) + "-D tensor of shape " + shape_string(t));
 }
 
@@ -131,12 +131,12 @@ void check_shape(const TensorRef& t, const std::string& name, std::initializer_l
     ++i;
   }
   want += "]";
-  check_arg(ok, name, want, "shape " + shape_string(t));
+  QMOE_CHECK_ARG(ok, name, want, "shape " + shape_string(t));
 }
 
 void check_contiguous(const TensorRef& t, const std::string& name) {
   check_well_formed(t, name);
-  check_arg(t.is_contiguous(), name, "a contiguous (row-major) tensor", "strides that are not row-major");
+  QMOE_CHECK_ARG(t.is_contiguous(), name, "a contiguous (row-major) tensor", "strides that are not row-major");
 }
 
 void check_same_device(const TensorRef& t, const std::string& name, const TensorRef& reference,
@@ -146,13 +146,13 @@ void check_same_device(const TensorRef& t, const std::string& name, const Tensor
   auto where = [](const TensorRef& x) {
     return x.device == Device::kCPU ? std::string("cpu") : "cuda:" + std::to_string(x.device_index);
   };
-  check_arg(t.device == reference.device && (t.device == Device::kCPU || t.device_index == reference.device_index),
+  QMOE_CHECK_ARG(t.device == reference.device && (t.device == Device::kCPU || t.device_index == reference.device_index),
             name, "a tensor on " + where(reference) + " (the device of '" + reference_name + "')", where(t));
 }
 
 void check_aligned(const TensorRef& t, const std::string& name, int bytes) {
   check_well_formed(t, name);
-  check_arg(reinterpret_cast<uintptr_t>(t.data) % bytes == 0, name,
+  QMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(t.data) % bytes == 0, name,
             "a data pointer aligned to " + std::to_string(bytes) + " bytes", "a misaligned pointer");
 }
 
@@ -165,7 +165,7 @@ void check_no_alias(const TensorRef& out, const std::string& out_name, const Ten
   auto hi_o = lo_o + static_cast<uintptr_t>(out.numel()) * dtype_size(out.dtype);
   auto lo_i = reinterpret_cast<uintptr_t>(in.data);
   auto hi_i = lo_i + static_cast<uintptr_t>(in.numel()) * dtype_size(in.dtype);
-  check_arg(hi_o <= lo_i || hi_i <= lo_o, out_name, "memory that does not overlap input '" + in_name + "'",
+  QMOE_CHECK_ARG(hi_o <= lo_i || hi_i <= lo_o, out_name, "memory that does not overlap input '" + in_name + "'",
             "an output that aliases '" + in_name + "'");
 }
 
