@@ -20,17 +20,17 @@ void check_routing(const TensorRef& topk_ids, const std::string& name) {
   check_dtype(topk_ids, name, DType::kInt32);
   check_ndim(topk_ids, name, 2);
   check_contiguous(topk_ids, name);
-  check_arg(!topk_ids.is_cuda(), name, "a CPU tensor (the plan is computed on the host)", "a CUDA tensor");
-  check_arg(topk_ids.size(1) >= 1, name, "top_k = topk_ids.size(1) >= 1", "top_k = " + str(topk_ids.size(1)));
-  check_arg(topk_ids.numel() == 0 || topk_ids.data != nullptr, name, "a non-null data pointer", "nullptr");
+  QMOE_CHECK_ARG(!topk_ids.is_cuda(), name, "a CPU tensor (the plan is computed on the host)", "a CUDA tensor");
+  QMOE_CHECK_ARG(topk_ids.size(1) >= 1, name, "top_k = topk_ids.size(1) >= 1", "top_k = " + str(topk_ids.size(1)));
+  QMOE_CHECK_ARG(topk_ids.numel() == 0 || topk_ids.data != nullptr, name, "a non-null data pointer", "nullptr");
 }
 
 }  // namespace
 
 int64_t experts_per_rank(int64_t num_experts, int64_t world_size) {
-  check_arg(world_size >= 1, "world_size", "a value >= 1", str(world_size));
-  check_arg(num_experts >= 1, "num_experts", "a value >= 1", str(num_experts));
-  check_arg(num_experts % world_size == 0, "num_experts",
+  QMOE_CHECK_ARG(world_size >= 1, "world_size", "a value >= 1", str(world_size));
+  QMOE_CHECK_ARG(num_experts >= 1, "num_experts", "a value >= 1", str(num_experts));
+  QMOE_CHECK_ARG(num_experts % world_size == 0, "num_experts",
             "a multiple of world_size = " + str(world_size) + " (experts are split evenly over the ranks)",
             str(num_experts));
   return num_experts / world_size;
@@ -39,7 +39,7 @@ int64_t experts_per_rank(int64_t num_experts, int64_t world_size) {
 std::vector<int64_t> exclusive_offsets(const std::vector<int64_t>& counts) {
   std::vector<int64_t> offsets(counts.size() + 1, 0);
   for (size_t i = 0; i < counts.size(); ++i) {
-    check_arg(counts[i] >= 0, "counts", "values >= 0", str(counts[i]) + " at index " + str(static_cast<int64_t>(i)));
+    QMOE_CHECK_ARG(counts[i] >= 0, "counts", "values >= 0", str(counts[i]) + " at index " + str(static_cast<int64_t>(i)));
     offsets[i + 1] = offsets[i] + counts[i];
   }
   return offsets;
@@ -87,7 +87,7 @@ std::vector<int64_t> owner_return_slots(const TensorRef& recv_ids, int64_t num_e
                                         int64_t rank) {
   check_routing(recv_ids, "recv_ids");
   const int64_t per_rank = experts_per_rank(num_experts, world_size);
-  check_arg(rank >= 0 && rank < world_size, "rank", "a value in [0, world_size = " + str(world_size) + ")",
+  QMOE_CHECK_ARG(rank >= 0 && rank < world_size, "rank", "a value in [0, world_size = " + str(world_size) + ")",
             str(rank));
   const int32_t* ids = recv_ids.ptr<const int32_t>();
   std::vector<int64_t> out;
@@ -97,8 +97,8 @@ std::vector<int64_t> owner_return_slots(const TensorRef& recv_ids, int64_t num_e
 }
 
 void check_low_latency_capacity(int64_t num_tokens, int64_t max_tokens_per_rank) {
-  check_arg(max_tokens_per_rank >= 1, "max_tokens_per_rank", "a value >= 1", str(max_tokens_per_rank));
-  check_arg(num_tokens <= max_tokens_per_rank, "max_tokens_per_rank",
+  QMOE_CHECK_ARG(max_tokens_per_rank >= 1, "max_tokens_per_rank", "a value >= 1", str(max_tokens_per_rank));
+  QMOE_CHECK_ARG(num_tokens <= max_tokens_per_rank, "max_tokens_per_rank",
             "at least the number of tokens on this rank (T = " + str(num_tokens) +
                 "): the low-latency mode gives each peer a fixed capacity and never drops a token",
             str(max_tokens_per_rank));

@@ -139,8 +139,8 @@ NcclUniqueId nccl_get_unique_id() {
 }
 
 void* nccl_comm_init_rank(int world_size, const NcclUniqueId& id, int rank) {
-  check_arg(world_size >= 1, "world_size", "a value >= 1", std::to_string(world_size));
-  check_arg(rank >= 0 && rank < world_size, "rank", "a value in [0, world_size = " + std::to_string(world_size) + ")",
+  QMOE_CHECK_ARG(world_size >= 1, "world_size", "a value >= 1", std::to_string(world_size));
+  QMOE_CHECK_ARG(rank >= 0 && rank < world_size, "rank", "a value in [0, world_size = " + std::to_string(world_size) + ")",
             std::to_string(rank));
   const NcclApi& a = api();
   UniqueId uid;
@@ -151,21 +151,21 @@ void* nccl_comm_init_rank(int world_size, const NcclUniqueId& id, int rank) {
 }
 
 void nccl_comm_destroy(void* comm) {
-  check_arg(comm != nullptr, "comm", "an ncclComm_t from nccl_comm_init_rank", "nullptr");
+  QMOE_CHECK_ARG(comm != nullptr, "comm", "an ncclComm_t from nccl_comm_init_rank", "nullptr");
   const NcclApi& a = api();
   check_result(a, a.comm_destroy(static_cast<Comm>(comm)), "ncclCommDestroy");
 }
 
 void nccl_all_to_all_v(void* comm, const std::vector<PeerTransfer>& peers, cudaStream_t stream) {
   // Validate everything before enqueueing anything (a half-issued group would hang the peers).
-  check_arg(comm != nullptr, "comm", "an ncclComm_t", "nullptr");
+  QMOE_CHECK_ARG(comm != nullptr, "comm", "an ncclComm_t", "nullptr");
   for (size_t p = 0; p < peers.size(); ++p) {
     const PeerTransfer& t = peers[p];
     const std::string at = " for peer " + std::to_string(p);
-    check_arg(t.send_bytes >= 0 && t.recv_bytes >= 0, "peers", "byte counts >= 0",
+    QMOE_CHECK_ARG(t.send_bytes >= 0 && t.recv_bytes >= 0, "peers", "byte counts >= 0",
               std::to_string(t.send_bytes) + " / " + std::to_string(t.recv_bytes) + at);
-    check_arg(t.send_bytes == 0 || t.send != nullptr, "peers", "a send buffer for a non-zero send", "nullptr" + at);
-    check_arg(t.recv_bytes == 0 || t.recv != nullptr, "peers", "a receive buffer for a non-zero receive",
+    QMOE_CHECK_ARG(t.send_bytes == 0 || t.send != nullptr, "peers", "a send buffer for a non-zero send", "nullptr" + at);
+    QMOE_CHECK_ARG(t.recv_bytes == 0 || t.recv != nullptr, "peers", "a receive buffer for a non-zero receive",
               "nullptr" + at);
   }
   const NcclApi& a = api();

@@ -19,7 +19,7 @@ template <auto kKernel>
 int resident_ctas(int threads, int smem_bytes, int device, const char* what) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cache[kMaxDevices] = {};
-  check_arg(device >= 0 && device < kMaxDevices, "device", "a CUDA device index below 64", std::to_string(device));
+  QMOE_CHECK_ARG(device >= 0 && device < kMaxDevices, "device", "a CUDA device index below 64", std::to_string(device));
   int fit = cache[device].load(std::memory_order_relaxed);
   if (fit == 0) {
     check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), what);

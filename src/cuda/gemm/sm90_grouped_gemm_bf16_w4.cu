@@ -20,14 +20,14 @@ void launch_format(const Bf16W4Params& params, const Tactic& tactic, bool fp32_o
 void bf16_w4_moe_mm(const Bf16W4GemmArgs& args, const Tactic& tactic, cudaStream_t stream) {
   const bool int4 = args.format == W4Format::kInt4G128;
   const int k_step = int4 ? 128 : 32;
-  check_arg(args.k > 0 && args.k % k_step == 0, "k", "K % " + std::to_string(k_step) + " == 0 for this weight format",
+  QMOE_CHECK_ARG(args.k > 0 && args.k % k_step == 0, "k", "K % " + std::to_string(k_step) + " == 0 for this weight format",
             std::to_string(args.k));
-  check_arg(args.n > 0 && args.n % 8 == 0, "n", "N % 8 == 0", std::to_string(args.n));
-  check_arg(args.num_experts > 0 && args.num_experts <= kTileListMaxExperts, "num_experts",
+  QMOE_CHECK_ARG(args.n > 0 && args.n % 8 == 0, "n", "N % 8 == 0", std::to_string(args.n));
+  QMOE_CHECK_ARG(args.num_experts > 0 && args.num_experts <= kTileListMaxExperts, "num_experts",
             "1..1024 experts", std::to_string(args.num_experts));
   for (const auto& [ptr, name] : {std::pair<const void*, const char*>{args.a, "a"}, {args.b, "b"},
                                   {args.b_scales, "b_scales"}, {args.d, "d"}})
-    check_arg(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, name, "a 16-byte aligned data pointer",
+    QMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, name, "a 16-byte aligned data pointer",
               "an address that is not 16-byte aligned");
   if (args.max_rows == 0) return;
   int device = 0;

@@ -64,7 +64,7 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   params.b = args.b.ptr<const uint8_t>();
   params.b_scales = args.b_scales.ptr<const __nv_bfloat16>();
   params.a_scales = args.a_scales.ptr<const float>();
-  check_arg(args.d.dtype == DType::kBFloat16 || args.d.dtype == DType::kFloat32, "d",
+  QMOE_CHECK_ARG(args.d.dtype == DType::kBFloat16 || args.d.dtype == DType::kFloat32, "d",
             "a bfloat16 (or, inside the fused MoE, float32) output", dtype_name(args.d.dtype));
   const bool fp32_out = args.d.dtype == DType::kFloat32;
   params.d = args.d.data;
@@ -79,7 +79,7 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   // 16-byte copies need 16-byte aligned bases (row strides are multiples of 16 by the limits).
   for (const auto& [t, name] : {std::pair<const TensorRef*, const char*>{&args.a, "a"}, {&args.b, "b"},
                                 {&args.b_scales, "b_scales"}, {&args.d, "d"}}) {
-    check_arg(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, name, "a 16-byte aligned data pointer",
+    QMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, name, "a 16-byte aligned data pointer",
               "an address that is not 16-byte aligned");
   }
   const int device = args.a.device_index;

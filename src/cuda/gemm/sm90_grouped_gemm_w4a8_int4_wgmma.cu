@@ -294,7 +294,7 @@ void launch_typed(const WgmmaGemmParams& params, cudaStream_t stream) {
 }  // namespace
 
 void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int tile_n, bool fp32_out, cudaStream_t stream) {
-  check_arg(tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 64 or 128", std::to_string(tile_n));
+  QMOE_CHECK_ARG(tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 64 or 128", std::to_string(tile_n));
   if (tile_n == 128) {
     if (fp32_out) launch_typed<float, 128>(params, stream);
     else launch_typed<__nv_bfloat16, 128>(params, stream);

@@ -282,11 +282,11 @@ void moe_mm_data(const TensorRef& topk_ids, TensorRef expert_offsets, TensorRef 
                  TensorRef problem_sizes2, TensorRef input_permutation, TensorRef output_permutation,
                  int64_t num_experts, int64_t n, int64_t k, cudaStream_t stream) {
   // The public entry validates; these guard the kernel's own limits in case of a new caller.
-  check_arg(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts", "a value in [1, 1024]",
+  QMOE_CHECK_ARG(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts", "a value in [1, 1024]",
             std::to_string(num_experts));
-  check_arg(topk_ids.numel() < (int64_t{1} << 31), "topk_ids", "fewer than 2^31 slots",
+  QMOE_CHECK_ARG(topk_ids.numel() < (int64_t{1} << 31), "topk_ids", "fewer than 2^31 slots",
             std::to_string(topk_ids.numel()));
-  check_arg(n >= 0 && 2 * n <= INT32_MAX && k >= 0 && k <= INT32_MAX, "n, k", "values whose problem sizes fit int32",
+  QMOE_CHECK_ARG(n >= 0 && 2 * n <= INT32_MAX && k >= 0 && k <= INT32_MAX, "n, k", "values whose problem sizes fit int32",
             std::to_string(n) + ", " + std::to_string(k));
   DeviceGuard guard(topk_ids.device_index);
   int32_t* offsets = expert_offsets.ptr<int32_t>();
