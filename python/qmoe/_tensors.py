@@ -29,13 +29,24 @@ def is_torch(t) -> bool:
     return torch is not None and isinstance(t, torch.Tensor)
 
 
+# dtype -> name caches: arg() runs for every tensor of every call, and numpy's dtype.name and
+# str(torch.dtype) are slow Python paths (~1 us each).
+_NP_NAME_CACHE: dict = {}
+_TORCH_NAME_CACHE: dict = {}
+
+
 def dtype_name(t) -> str:
     """qmoe's logical dtype name of a numpy array or torch tensor."""
     if is_torch(t):
-        name = str(t.dtype).replace("torch.", "")
-        return {"float4_e2m1fn_x2": "float4_e2m1fn_x2"}.get(name, name)
+        name = _TORCH_NAME_CACHE.get(t.dtype)
+        if name is None:
+            name = _TORCH_NAME_CACHE.setdefault(t.dtype, str(t.dtype).replace("torch.", ""))
+        return name
     if isinstance(t, np.ndarray):
-        return t.dtype.name
+        name = _NP_NAME_CACHE.get(t.dtype)
+        if name is None:
+            name = _NP_NAME_CACHE.setdefault(t.dtype, t.dtype.name)
+        return name
     raise TypeError(f"qmoe: expected a numpy array or a torch tensor, got {type(t).__name__}")
 
 
@@ -67,7 +78,7 @@ def arg(t, name: str = "tensor", output: bool = False):
         # DLPack needs a dense enough view; strides travel as they are and C++ checks them.
         return _C.Arg(storage.detach(), logical)
     if isinstance(t, np.ndarray):
-        logical = _NUMPY_NAMES.get(t.dtype.name)
+        logical = _NUMPY_NAMES.get(dtype_name(t))
         if logical is None:
             raise TypeError(f"qmoe: argument '{name}': expected a supported dtype, got dtype {t.dtype.name}")
         if output and not t.flags.writeable:
@@ -75,7 +86,7 @@ def arg(t, name: str = "tensor", output: bool = False):
         if any(stride % t.itemsize for stride in t.strides):
             raise ValueError(f"qmoe: argument '{name}': expected byte strides that are multiples of the item size "
                              f"({t.itemsize}), got strides {t.strides}")
-        storage = t if t.dtype.kind in "iuf" and t.dtype.name != "bfloat16" else t.view(_VIEW_BY_SIZE_NP[t.itemsize])
+        storage = t if t.dtype.kind in "iuf" and logical != "bfloat16" else t.view(_VIEW_BY_SIZE_NP[t.itemsize])
         return _C.Arg(storage, logical)
     raise TypeError(f"qmoe: argument '{name}': expected a numpy array or a torch tensor, got {type(t).__name__}")
 
