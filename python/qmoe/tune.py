@@ -367,15 +367,34 @@ def fused_moe_candidates(num_tokens: int, hidden: int, inter: int, gated: bool, 
     return [t for t in gemm1 if t in gemm2]
 
 
+# The W4A8 GEMM's WGMMA tiles (src/tune/tactics.cpp) sum the fp32 products in another order than its
+# mma.sync tiles, so their outputs differ in the last bits; all tactics of one family give the same bits
+# (measured: tests/python/test_gpu_reliability_runtime.py). The bf16 x 4-bit GEMM is one family.
+WGMMA_TACTICS = frozenset({"prefill_m128_n128_k128", "prefill_m128_n64_k128"})
+
+
+def mma_family(tactic: str, quant_mode: str) -> str:
+    """'wgmma' or 'mma.sync': tactics of one family give bitwise-identical results."""
+    return "wgmma" if quant_mode == "w4a8_int4" and tactic in WGMMA_TACTICS else "mma.sync"
+
+
 def fused_moe_tactic(num_tokens: int, *, quant_mode: str, hidden: int, inter: int, gated: bool, num_experts: int,
                      num_local_experts: int, topk: int, activation: str, gate_up_layout: str, deterministic: bool,
                      x_dtype: str, out_dtype: str, run: Callable[[str], None], device=None) -> Optional[str]:
     """fused_moe's tactic from the tuner (None: heuristic). One name serves both GEMMs, so the
     candidates are the tactics valid for both (GEMM1: N = 2I or I, K = H; GEMM2: N = H, K = I), with
-    the problem sizes the C++ side uses (rows = T * top_k, experts = local experts)."""
+    the problem sizes the C++ side uses (rows = T * top_k, experts = local experts). With the
+    deterministic finalize only tactics of the heuristic's MMA family are candidates, so that tuning
+    never changes the bits a deterministic call returns."""
     if _default.idle():
         return None
     candidates = fused_moe_candidates(num_tokens, hidden, inter, gated, num_local_experts, topk, quant_mode)
+    if deterministic:
+        rows = max(int(num_tokens), 1) * topk
+        heuristic = _C.select_tactic(2 * inter if gated else inter, hidden, rows, num_local_experts, topk,
+                                     quant_mode != "w4a8_int4")
+        family = mma_family(heuristic, quant_mode)
+        candidates = [t for t in candidates if mma_family(t, quant_mode) == family]
     key = fused_moe_key(num_tokens, quant_mode=quant_mode, hidden=hidden, inter=inter, num_experts=num_experts,
                         num_local_experts=num_local_experts, topk=topk, activation=activation,
                         gate_up_layout=gate_up_layout, deterministic=deterministic, x_dtype=x_dtype,

@@ -468,6 +468,30 @@ def test_fused_moe_hook_candidates_and_key():
     assert tune.fused_moe_candidates(9, 256, 100, True, 8, 2, "w4a16") == []
 
 
+def test_deterministic_tuning_keeps_the_heuristics_mma_family():
+    """A WGMMA tile timed fastest is taken for the fused finalize but not for the deterministic one at a
+    size where the heuristic runs mma.sync tiles (their bits differ); at prefill sizes, where the
+    heuristic runs WGMMA, the deterministic call tunes among the WGMMA tiles."""
+    wgmma = sorted(tune.WGMMA_TACTICS)
+    cost = {t: (1.0 if t == wgmma[0] else 10.0 + i) for i, t in enumerate(TACTICS)}
+    args = dict(quant_mode="w4a8_int4", hidden=256, inter=128, gated=True, num_experts=8, num_local_experts=8,
+                topk=2, activation="swiglu", gate_up_layout="gate_up", x_dtype="bfloat16", out_dtype="bfloat16")
+    original = tune._default
+    try:
+        for deterministic, tokens, family in ((False, 9, "wgmma"), (True, 9, "mma.sync"), (True, 4096, "wgmma")):
+            timer = FakeTimer(cost)
+            tune._default = make_tuner(timer)
+            with tune.autotune(True):
+                got = tune.fused_moe_tactic(tokens, run=timer.run_for(), deterministic=deterministic, **args)
+            assert tune.mma_family(got, "w4a8_int4") == family, (deterministic, tokens, got)
+            timed = {tactic for _, tactic in timer.calls}
+            assert len(timed) > 1 and (not deterministic or {tune.mma_family(t, "w4a8_int4") for t in timed} == {family})
+    finally:
+        tune._default = original
+    assert tune.mma_family("prefill_m128_n128_k128", "w4a4") == "mma.sync"  # one family in the bf16 kernel
+    assert tune.WGMMA_TACTICS <= set(TACTICS)
+
+
 def test_wrapper_get_valid_tactics():
     cuda = flashinfer.CuteDslMoEWrapper(8, 2, 256, 128, quant_mode="w4a8_int4", device="cuda")
     assert cuda.get_valid_tactics() == TACTICS
