@@ -74,6 +74,12 @@ struct FusedMoeParams {
 void validate_fused_moe(const FusedMoeParams& p);
 // Bytes of scratch the GPU path needs for this problem (0 on CPU).
 int64_t fused_moe_workspace_size(const FusedMoeParams& p);
+// Scratch bytes that suffice for every GPU call of one layer with at most max_tokens tokens (the size
+// grows with T): what a caller allocates once so that calls of any smaller T can be graph-captured
+// with the same buffer (FlashInfer's CuteDslMoEWrapper with use_cuda_graph). local_experts = E_l,
+// inter = I; the activation decides whether W1 has 2I or I rows.
+int64_t fused_moe_workspace_bound(QuantMode mode, int64_t max_tokens, int64_t topk, int64_t local_experts,
+                                  int64_t hidden, int64_t inter, Activation activation);
 // Runs on the tensors' device. workspace: CUDA buffer of fused_moe_workspace_size bytes (ignored on CPU).
 void fused_moe(const FusedMoeParams& p, void* workspace = nullptr, int64_t workspace_bytes = 0,
                cudaStream_t stream = nullptr);

@@ -471,6 +471,22 @@ int64_t fused_moe_workspace_size(const FusedMoeParams& p) {
   return workspace_bytes_of(p);
 }
 
+int64_t fused_moe_workspace_bound(QuantMode mode, int64_t max_tokens, int64_t topk, int64_t local_experts,
+                                  int64_t hidden, int64_t inter, Activation activation) {
+  QMOE_CHECK_ARG(max_tokens >= 0 && max_tokens <= (int64_t{1} << 31), "max_num_tokens", "a count in [0, 2^31]",
+                 str(max_tokens));
+  QMOE_CHECK_ARG(topk >= 1 && topk <= 16, "top_k", "1..16", str(topk));
+  QMOE_CHECK_ARG(local_experts >= 1 && local_experts <= kMaxExperts, "num_local_experts", "1..1024",
+                 str(local_experts));
+  QMOE_CHECK_ARG(hidden > 0 && inter > 0, "hidden_size", "positive hidden and intermediate sizes",
+                 str(hidden) + ", " + str(inter));
+  const int64_t slots = max_tokens * topk, rows1 = activation != Activation::kRelu2 ? 2 * inter : inter;
+  // The layouts are sums of per-buffer sizes that grow with the slot count: the bound is the size at max_tokens.
+  return mode == QuantMode::kW4A8Int4
+             ? cuda::fused_moe_workspace_layout(slots, local_experts, hidden, inter, rows1).total
+             : cuda::fused_moe_bf16_w4_workspace_layout(slots, local_experts, hidden, inter, rows1).total;
+}
+
 void fused_moe(const FusedMoeParams& p, void* workspace, int64_t workspace_bytes, cudaStream_t stream) {
   validate_fused_moe(p);
   if (p.x.is_cuda()) {

@@ -5,7 +5,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include "cuda/fused/fused_moe_workspace.h"
 #include "cuda/launch.h"
 #include "python/tensor_arg.h"
 #include "qmoe/fused_moe.h"
@@ -217,18 +216,16 @@ void bind_ops(nb::module_& m) {
   // before anything is allocated); 0 on the CPU.
   // Scratch bytes of the GPU pipeline for any call of this layer with at most `tokens` tokens (the
   // size grows with T): what a wrapper pre-allocates once so that its calls can be graph-captured.
+  // Scratch bytes for any call of this layer with at most `tokens` tokens (include/qmoe/fused_moe.h).
   m.def(
       "fused_moe_workspace_bound",
       [](const std::string& quant_mode, int64_t tokens, int64_t topk, int64_t local_experts, int64_t hidden,
          int64_t inter, bool gated) {
-        check_arg(tokens >= 0 && topk > 0 && local_experts > 0 && hidden > 0 && inter > 0, "max_num_tokens",
-                  "non-negative tokens and positive top_k, experts, hidden and intermediate sizes",
-                  std::to_string(tokens) + ", " + std::to_string(topk) + ", " + std::to_string(local_experts) +
-                      ", " + std::to_string(hidden) + ", " + std::to_string(inter));
-        const int64_t slots = tokens * topk, rows1 = gated ? 2 * inter : inter;
-        return quant_mode == "w4a8_int4"
-                   ? cuda::fused_moe_workspace_layout(slots, local_experts, hidden, inter, rows1).total
-                   : cuda::fused_moe_bf16_w4_workspace_layout(slots, local_experts, hidden, inter, rows1).total;
+        QuantMode mode = QuantMode::kW4A4;
+        QMOE_CHECK_ARG(quant_mode_from_name(quant_mode, &mode), "quant_mode",
+                       "one of 'w4a4', 'w4a8', 'w4a16', 'w4a8_int4', 'w4a16_int4'", "'" + quant_mode + "'");
+        return fused_moe_workspace_bound(mode, tokens, topk, local_experts, hidden, inter,
+                                         gated ? Activation::kSwiglu : Activation::kRelu2);
       },
       nb::arg("quant_mode"), nb::arg("tokens"), nb::arg("topk"), nb::arg("local_experts"), nb::arg("hidden"),
       nb::arg("inter"), nb::arg("gated"));

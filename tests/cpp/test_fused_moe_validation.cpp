@@ -427,6 +427,38 @@ TEST_F(FusedMoeValidation, CudaW4A4PerTokenNeedsItsWorkspace) {
                qmoe::cuda::kernels_built() ? qmoe::ErrorKind::kValue : qmoe::ErrorKind::kRuntime);
 }
 
+// fused_moe_workspace_bound(max T) covers the exact size of every call with T <= max tokens, in every
+// mode and both W1 shapes, and equals it at T = max (what a graph-ready wrapper allocates once).
+TEST_F(FusedMoeValidation, WorkspaceBoundCoversEverySmallerCall) {
+  for (QuantMode m : {QuantMode::kW4A8Int4, QuantMode::kW4A16, QuantMode::kW4A16Int4, QuantMode::kW4A4,
+                      QuantMode::kW4A8Mx}) {
+    for (Activation act : {Activation::kSwiglu, Activation::kRelu2}) {
+      for (int64_t tokens : {1, 3, 8}) {
+        Config c;
+        c.mode = m;
+        c.act = act;
+        c.T = tokens;
+        Case cs = make_case(c, 7);
+        auto p = cs.params();
+        move_to_cuda(p);
+        const int64_t exact = qmoe::fused_moe_workspace_size(p);
+        const int64_t at_t = qmoe::fused_moe_workspace_bound(m, tokens, cs.c.k, cs.El, cs.c.H, cs.c.I, act);
+        const int64_t at_max = qmoe::fused_moe_workspace_bound(m, 8, cs.c.k, cs.El, cs.c.H, cs.c.I, act);
+        EXPECT_EQ(at_t, exact) << qmoe::quant_mode_name(m) << " T=" << tokens;
+        EXPECT_GE(at_max, exact) << qmoe::quant_mode_name(m) << " T=" << tokens;
+      }
+    }
+  }
+  EXPECT_THROW(qmoe::fused_moe_workspace_bound(QuantMode::kW4A4, -1, 8, 8, 256, 128, Activation::kSwiglu),
+               qmoe::Error);
+  try {
+    qmoe::fused_moe_workspace_bound(QuantMode::kW4A4, 4, 8, 2000, 256, 128, Activation::kSwiglu);
+    ADD_FAILURE() << "no error for 2000 local experts";
+  } catch (const qmoe::Error& e) {
+    EXPECT_EQ(e.argument(), "num_local_experts");
+  }
+}
+
 // NVFP4 weights validate with H, I % 16 == 0; the GPU's FP4 GEMM needs 32 (both names say "w2").
 TEST_F(FusedMoeValidation, CudaFp4ModesNeedHAndIMultiplesOf32) {
   for (QuantMode m : {QuantMode::kW4A4, QuantMode::kW4A16}) {

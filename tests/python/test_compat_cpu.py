@@ -117,3 +117,16 @@ def test_workspace_is_refused_for_cpu_tensors():
     case = testing.make_fused_moe_case("w4a16", 3, 256, 128, 8, 2, seed=12)
     with pytest.raises(ValueError, match="'workspace'"):
         qmoe.fused_moe(**case, workspace=np.zeros(1 << 20, np.uint8))
+
+
+def test_workspace_bound_binding():
+    from qmoe import _C
+
+    small = _C.fused_moe_workspace_bound("w4a4", 8, 4, 16, 1024, 512, True)
+    large = _C.fused_moe_workspace_bound("w4a4", 256, 4, 16, 1024, 512, True)
+    assert 0 < small < large
+    assert _C.fused_moe_workspace_bound("w4a8_int4", 8, 4, 16, 1024, 512, False) > 0
+    with pytest.raises(ValueError, match="'quant_mode'"):
+        _C.fused_moe_workspace_bound("fp8", 8, 4, 16, 1024, 512, True)
+    with pytest.raises(ValueError, match="'max_num_tokens'"):
+        _C.fused_moe_workspace_bound("w4a4", -1, 4, 16, 1024, 512, True)
