@@ -7,7 +7,7 @@ tolerance for the mode (rel. RMS <= 1e-2; NaN where the reference is finite fail
 is poisoned with NaN before each run, so an unwritten element fails.
 
 Coverage: every activation (swiglu plain and gpt-oss alpha/beta/limit, geglu_tanh, relu2, situ
-with linear beta) x both finalizes x EP on/off x both gate/up layouts; T in {1, 7, 128, 515},
+with linear beta) x both finalizes x EP on/off x both gate/up layouts; T in {1, 7, 128, 515, 1024, 4097},
 top-k in {1, 2, 4, 8}, E in {8, 128, 256}; static, dynamic, per-token a1 and e4m3 x; static and
 dynamic a2; w1/w2 alphas; output dtypes; ids that are -1, out of range or non-local; a token with
 no local expert (exact zero row); all tokens on one expert; every compiled GEMM tactic forced;
@@ -126,7 +126,7 @@ def test_activation_finalize_ep_layout(activation, params, deterministic, ep, la
 SIZE_CASES = [
     # (tokens, top_k, experts)
     (1, 1, 8), (1, 4, 128), (1, 8, 256), (7, 2, 8), (7, 4, 256), (7, 8, 128), (128, 1, 256), (128, 4, 128),
-    (128, 8, 256), (515, 1, 8), (515, 2, 128), (515, 8, 256),
+    (128, 8, 256), (515, 1, 8), (515, 2, 128), (515, 8, 256), (1024, 8, 256), (4097, 4, 128), (4097, 2, 8),
 ]
 
 

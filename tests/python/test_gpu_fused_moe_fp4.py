@@ -179,8 +179,9 @@ def test_activation_finalize_ep_layout(mode, activation, params, deterministic, 
 # problem sizes: T, top-k, E (output dtypes rotated)
 # ------------------------------------------------------------------------------------------------
 SIZE_CASES = [
-    # (tokens, top_k, experts): every T in {1, 7, 128, 515}, k in {1, 2, 8}, E in {8, 128}
+    # (tokens, top_k, experts): every T in {1, 7, 128, 515, 1024, 4097}, k in {1, 2, 4, 8}, E in {8, 128, 256}
     (1, 1, 8), (1, 8, 128), (7, 2, 128), (7, 8, 8), (128, 1, 128), (128, 8, 8), (515, 2, 8), (515, 8, 128),
+    (1024, 4, 256), (4097, 2, 8),
 ]
 OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
 
