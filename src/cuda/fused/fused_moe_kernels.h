@@ -100,6 +100,23 @@ void finalize(const uint16_t* y, const int32_t* output_permutation, const float*
               int topk, int64_t hidden, float routed_scaling_factor, bool deterministic, DType out_dtype, void* out,
               cudaStream_t stream);
 
+// moe_pipeline_steps.cu: the first and last steps of both pipelines ------------------------------
+// The routing buffers of a pipeline's workspace (fused_moe_workspace.h).
+struct RoutingBuffers {
+  int32_t* local_ids;           // [S]
+  int32_t* offsets;             // [E_l + 1]
+  int32_t* sizes1;              // [E_l, 3]
+  int32_t* sizes2;              // [E_l, 3]
+  int32_t* input_permutation;   // [S]
+  int32_t* output_permutation;  // [S]
+};
+// Local expert ids, then moe_mm_data over the local experts (N = I for GEMM1's sizes, as SGLang's op).
+RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& buffers, int64_t hidden, int64_t inter,
+                               cudaStream_t stream);
+// finalize(y) into p.output, or (slot_rows != nullptr, moe_expert_rows) scatter_slot_rows.
+void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* output_permutation, int64_t hidden,
+                 void* slot_rows, cudaStream_t stream);
+
 // moe_expert_rows on the GPU (implemented in moe_finalize.cu): for every flat slot s with
 // output_permutation[s] = r >= 0: slot_rows[s, :] = y[r, :] (bf16 copy); other slots untouched.
 void scatter_slot_rows(const uint16_t* y, const int32_t* output_permutation, int64_t slots, int64_t hidden,

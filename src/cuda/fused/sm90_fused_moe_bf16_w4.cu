@@ -8,6 +8,7 @@
 //
 //   1. local ids      topk_ids -> local expert ids (-1: not local)               moe_gather_quantize.cu
 //   2. routing        moe_mm_data(local ids, E_l): offsets, sizes, permutations   routing/sm90_moe_mm_data.cu
+//      (steps 1-2 and the last one: moe_pipeline_steps.cu, shared by both pipelines)
 //   3. gather+dequant A1[r] = bf16 of x[t] (copy | e2m1*e4m3 | e4m3*2^s)          moe_gather_dequant.cu
 //                     s1[r] = w1_alpha[e] * per_token_scale[t] (each optional)
 //   4. GEMM1          h[r] = s1[r] * W13[e] . A1[r]  (fp32 output)                gemm/sm90_grouped_gemm_bf16_w4
@@ -41,10 +42,6 @@
 namespace qmoe::cuda {
 
 namespace {
-
-TensorRef device_tensor(void* data, DType dtype, std::initializer_list<int64_t> shape, int device) {
-  return make_tensor(data, dtype, shape, Device::kCUDA, device);
-}
 
 W4Format weight_format(QuantMode mode) {
   switch (mode) {
@@ -109,15 +106,8 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   uint16_t* y = reinterpret_cast<uint16_t*>(at(layout.y));  // == a1 (fused_moe_workspace.h)
 
   // 1-2. Routing over the local experts (as the w4a8_int4 pipeline).
-  fused::local_expert_ids(p.topk_ids.ptr<const int32_t>(), local_ids, slots, p.num_experts, p.local_expert_offset,
-                          local, stream);
-  moe_mm_data(device_tensor(local_ids, DType::kInt32, {slots}, device),
-              device_tensor(offsets, DType::kInt32, {local + 1}, device),
-              device_tensor(sizes1, DType::kInt32, {local, 3}, device),
-              device_tensor(sizes2, DType::kInt32, {local, 3}, device),
-              device_tensor(in_perm, DType::kInt32, {slots}, device),
-              device_tensor(out_perm, DType::kInt32, {slots}, device), local, inter, hidden, stream);
-  fused::RowRouting routing{local_ids, offsets, in_perm, static_cast<int>(local), static_cast<int>(topk), slots};
+  const fused::RowRouting routing = fused::route_local_experts(
+      p, fused::RoutingBuffers{local_ids, offsets, sizes1, sizes2, in_perm, out_perm}, hidden, inter, stream);
 
   // 3. GEMM1's bf16 operand and per-row scale.
   fused::gather_dequantize(routing, activation_input(mode), p.x.data,
@@ -160,12 +150,7 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   grouped_gemm(y, false, hidden, a2, inter, p.w2, p.w2_scale, s2, sizes2, gemm2_tactic);
 
   // 7. Back to token order (or, for moe_expert_rows, to flat slot order without combining).
-  if (slot_rows != nullptr) {
-    fused::scatter_slot_rows(y, out_perm, slots, hidden, static_cast<uint16_t*>(slot_rows), stream);
-    return;
-  }
-  fused::finalize(y, out_perm, p.topk_weights.ptr<const float>(), tokens, static_cast<int>(topk), hidden,
-                  p.routed_scaling_factor, p.deterministic, p.output.dtype, p.output.data, stream);
+  fused::finish_rows(p, y, out_perm, hidden, slot_rows, stream);
 }
 
 }  // namespace qmoe::cuda

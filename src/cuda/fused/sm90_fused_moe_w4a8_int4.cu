@@ -5,6 +5,7 @@
 //
 //   1. local ids      topk_ids -> local expert ids (-1: not local)              moe_gather_quantize.cu
 //   2. routing        moe_mm_data(local ids, E_l): offsets, sizes, permutations  routing/sm90_moe_mm_data.cu
+//      (steps 1-2 and the last one: moe_pipeline_steps.cu, shared by both pipelines)
 //   3. (dynamic a1)   amax |x| over all tokens -> a1 = amax / 448 on the device  moe_gather_quantize.cu
 //   4. gather+quant   A1[r] = e4m3(x[t] / a1(t)), s1[r] = a1(t) * w1_alpha[e]    moe_gather_quantize.cu
 //   5. GEMM1          h[r] = s1[r] * W13[e] . A1[r]  (fp32 output)               gemm/sm90_grouped_gemm_w4a8_int4
@@ -78,15 +79,8 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
                "cudaMemsetAsync(fused_moe amax)");
 
   // 1-2. Routing over the local experts.
-  fused::local_expert_ids(p.topk_ids.ptr<const int32_t>(), local_ids, slots, p.num_experts, p.local_expert_offset,
-                          local, stream);
-  moe_mm_data(device_tensor(local_ids, DType::kInt32, {slots}, device),
-              device_tensor(offsets, DType::kInt32, {local + 1}, device),
-              device_tensor(sizes1, DType::kInt32, {local, 3}, device),
-              device_tensor(sizes2, DType::kInt32, {local, 3}, device),
-              device_tensor(in_perm, DType::kInt32, {slots}, device),
-              device_tensor(out_perm, DType::kInt32, {slots}, device), local, inter, hidden, stream);
-  fused::RowRouting routing{local_ids, offsets, in_perm, static_cast<int>(local), static_cast<int>(topk), slots};
+  const fused::RowRouting routing = fused::route_local_experts(
+      p, fused::RoutingBuffers{local_ids, offsets, sizes1, sizes2, in_perm, out_perm}, hidden, inter, stream);
 
   // 3-4. GEMM1's operand and per-row scale.
   const bool x_is_e4m3 = p.x.dtype == DType::kFloat8E4M3;
@@ -127,12 +121,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   grouped_gemm(y, DType::kBFloat16, hidden, a2, inter, p.w2, p.w2_scale, s2, sizes2, gemm2_tactic);
 
   // 9. Back to token order (or, for moe_expert_rows, to flat slot order without combining).
-  if (slot_rows != nullptr) {
-    fused::scatter_slot_rows(y, out_perm, slots, hidden, static_cast<uint16_t*>(slot_rows), stream);
-    return;
-  }
-  fused::finalize(y, out_perm, p.topk_weights.ptr<const float>(), tokens, static_cast<int>(topk), hidden,
-                  p.routed_scaling_factor, p.deterministic, p.output.dtype, p.output.data, stream);
+  fused::finish_rows(p, y, out_perm, hidden, slot_rows, stream);
 }
 
 }  // namespace qmoe::cuda
