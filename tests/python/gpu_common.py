@@ -36,3 +36,24 @@ def to_dev(a, device="cuda"):
     from qmoe import testing
 
     return testing.to_torch(a, device)
+
+
+# ---- shared by the fused-MoE GPU test modules ----------------------------------------------------
+GPT_OSS = dict(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0)  # gpt-oss's swiglu_oai
+ACTIVATION_CASES = [
+    ("swiglu", {}),
+    ("swiglu", GPT_OSS),
+    ("geglu_tanh", {}),
+    ("relu2", {}),
+    ("situ", dict(situ_beta=2.0, situ_linear_beta=3.0)),
+]
+ACTIVATION_IDS = ["swiglu", "swiglu_gpt_oss", "geglu_tanh", "relu2", "situ"]
+
+
+def local_slots(case) -> np.ndarray:
+    """[T, k] bool: slot whose id is a valid local expert (make_fused_moe_case's routing rule)."""
+    ids = case["topk_ids"].astype(np.int64)
+    e_l = case["num_local_experts"] if case["num_local_experts"] is not None else case["num_experts"]
+    lo = case["local_expert_offset"]
+    return (ids >= 0) & (ids < case["num_experts"]) & (ids >= lo) & (ids < lo + e_l)
+

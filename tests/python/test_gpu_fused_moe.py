@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_common import require_hopper, to_dev, to_np  # noqa: E402
+from gpu_common import ACTIVATION_CASES, ACTIVATION_IDS, local_slots, require_hopper, to_dev, to_np  # noqa: E402
 
 torch = require_hopper()
 
@@ -36,7 +36,6 @@ from qmoe._tensors import arg, current_stream  # noqa: E402
 
 DEV = torch.device("cuda")
 MODE = "w4a8_int4"
-GPT_OSS = dict(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0)
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # ------------------------------------------------------------------------------------------------
@@ -75,13 +74,6 @@ def make_case(tokens, top_k, experts, hidden=256, inter=128, seed=0, **kw):
     return testing.make_fused_moe_case(MODE, tokens, hidden, inter, experts, top_k, seed, **kw)
 
 
-def local_slots(case) -> np.ndarray:
-    """[T, k] bool: slot whose id is a valid local expert."""
-    ids = case["topk_ids"].astype(np.int64)
-    e_l = case["num_local_experts"] if case["num_local_experts"] is not None else case["num_experts"]
-    lo = case["local_expert_offset"]
-    return (ids >= 0) & (ids < case["num_experts"]) & (ids >= lo) & (ids < lo + e_l)
-
 
 def test_kernels_built():
     assert _C.kernels_built()
@@ -90,20 +82,10 @@ def test_kernels_built():
 # ------------------------------------------------------------------------------------------------
 # activations x finalize x EP x gate/up layout
 # ------------------------------------------------------------------------------------------------
-ACTIVATION_CASES = [
-    ("swiglu", {}),
-    ("swiglu", GPT_OSS),
-    ("geglu_tanh", {}),
-    ("relu2", {}),
-    ("situ", dict(situ_beta=2.0, situ_linear_beta=3.0)),
-]
-
-
 @pytest.mark.parametrize("layout", ["gate_up", "up_gate_interleaved64"])
 @pytest.mark.parametrize("ep", [False, True], ids=["no_ep", "ep"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fused"])
-@pytest.mark.parametrize("activation,params", ACTIVATION_CASES, ids=["swiglu", "swiglu_gpt_oss", "geglu_tanh",
-                                                                      "relu2", "situ"])
+@pytest.mark.parametrize("activation,params", ACTIVATION_CASES, ids=ACTIVATION_IDS)
 def test_activation_finalize_ep_layout(activation, params, deterministic, ep, layout):
     if activation == "relu2" and layout != "gate_up":
         pytest.skip("relu2 has no gate/up halves")

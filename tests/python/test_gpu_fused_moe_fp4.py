@@ -30,7 +30,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_common import require_hopper, to_dev, to_np  # noqa: E402
+from gpu_common import ACTIVATION_CASES, ACTIVATION_IDS, GPT_OSS, local_slots, require_hopper, to_dev, to_np  # noqa: E402
 
 torch = require_hopper()
 
@@ -41,7 +41,6 @@ from qmoe import testing  # noqa: E402
 DEV = torch.device("cuda")
 MODES = ("w4a16", "w4a16_int4", "w4a4", "w4a8")
 FP4_MODES = ("w4a16", "w4a4", "w4a8")
-GPT_OSS = dict(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0)
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The bf16 x 4-bit GEMM's compiled tactics (NOTE: src/tune/tactics.cpp compiled_bf16(), one for one).
 BF16_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128")
@@ -128,13 +127,6 @@ def widen_w4a4_intermediate(case: dict, amax: float):
     case["w2_alpha"] = (case["w2_alpha"] * (old / new)).astype(np.float32)
 
 
-def local_slots(case) -> np.ndarray:
-    """[T, k] bool: slot whose id is a valid local expert."""
-    ids = case["topk_ids"].astype(np.int64)
-    e_l = case["num_local_experts"] if case["num_local_experts"] is not None else case["num_experts"]
-    lo = case["local_expert_offset"]
-    return (ids >= 0) & (ids < case["num_experts"]) & (ids >= lo) & (ids < lo + e_l)
-
 
 def test_kernels_built():
     assert _C.kernels_built()
@@ -143,20 +135,10 @@ def test_kernels_built():
 # ------------------------------------------------------------------------------------------------
 # modes x activations x finalize x EP x gate/up layout
 # ------------------------------------------------------------------------------------------------
-ACTIVATION_CASES = [
-    ("swiglu", {}),
-    ("swiglu", GPT_OSS),
-    ("geglu_tanh", {}),
-    ("relu2", {}),
-    ("situ", dict(situ_beta=2.0, situ_linear_beta=3.0)),
-]
-
-
 @pytest.mark.parametrize("layout", ["gate_up", "up_gate_interleaved64"])
 @pytest.mark.parametrize("ep", [False, True], ids=["no_ep", "ep"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fused"])
-@pytest.mark.parametrize("activation,params", ACTIVATION_CASES, ids=["swiglu", "swiglu_gpt_oss", "geglu_tanh",
-                                                                      "relu2", "situ"])
+@pytest.mark.parametrize("activation,params", ACTIVATION_CASES, ids=ACTIVATION_IDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_activation_finalize_ep_layout(mode, activation, params, deterministic, ep, layout):
     if activation == "relu2" and layout != "gate_up":
