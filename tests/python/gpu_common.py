@@ -57,3 +57,31 @@ def local_slots(case) -> np.ndarray:
     lo = case["local_expert_offset"]
     return (ids >= 0) & (ids < case["num_experts"]) & (ids >= lo) & (ids < lo + e_l)
 
+
+def on_device(case: dict) -> dict:
+    """A make_fused_moe_case with every array on the GPU."""
+    from qmoe import testing
+
+    return testing.to_torch(case, "cuda")
+
+
+def run_gpu(case_dev: dict, output_dtype="bfloat16", **options):
+    """qmoe.fused_moe on CUDA tensors into a NaN-poisoned output (returned, synchronized)."""
+    import torch
+
+    import qmoe
+
+    tokens, hidden = case_dev["topk_ids"].shape[0], case_dev["w2"].shape[1]
+    out = torch.full((tokens, hidden), float("nan"), dtype=getattr(torch, output_dtype), device="cuda")
+    got = qmoe.fused_moe(**case_dev, out=out, **options)
+    assert got is out
+    torch.cuda.synchronize()
+    return out
+
+
+def run_cpu(case: dict, output_dtype="bfloat16", **options) -> np.ndarray:
+    """The C++ CPU engine on the numpy case."""
+    import qmoe
+
+    return qmoe.fused_moe(**case, output_dtype=output_dtype, **options)
+

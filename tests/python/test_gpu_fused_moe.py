@@ -23,7 +23,8 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_common import ACTIVATION_CASES, ACTIVATION_IDS, local_slots, require_hopper, to_dev, to_np  # noqa: E402
+from gpu_common import (  # noqa: E402
+    ACTIVATION_CASES, ACTIVATION_IDS, on_device, run_cpu, run_gpu, local_slots, require_hopper, to_np)
 
 torch = require_hopper()
 
@@ -36,29 +37,10 @@ from qmoe._tensors import arg, current_stream  # noqa: E402
 
 DEV = torch.device("cuda")
 MODE = "w4a8_int4"
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-def on_device(case: dict) -> dict:
-    return {k: to_dev(v) for k, v in case.items()}
-
-
-def run_gpu(case_dev: dict, output_dtype="bfloat16", **options) -> torch.Tensor:
-    """qmoe.fused_moe on CUDA tensors into a NaN-poisoned output."""
-    tokens, hidden = case_dev["topk_ids"].shape[0], case_dev["w2"].shape[1]
-    out = torch.full((tokens, hidden), float("nan"), dtype=TORCH_DTYPES[output_dtype], device=DEV)
-    got = qmoe.fused_moe(**case_dev, out=out, **options)
-    assert got is out
-    torch.cuda.synchronize()
-    return out
-
-
-def run_cpu(case: dict, output_dtype="bfloat16", **options) -> np.ndarray:
-    return qmoe.fused_moe(**case, output_dtype=output_dtype, **options)
-
-
 def check(case: dict, output_dtype="bfloat16", what="output", tactic=None, **options):
     """GPU vs the C++ CPU engine on the same data (tactic: forced on the GPU only; the CPU engine
     has none); returns (gpu, cpu) as numpy arrays."""

@@ -30,7 +30,8 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_common import ACTIVATION_CASES, ACTIVATION_IDS, GPT_OSS, local_slots, require_hopper, to_dev, to_np  # noqa: E402
+from gpu_common import (  # noqa: E402
+    ACTIVATION_CASES, ACTIVATION_IDS, on_device, run_cpu, run_gpu, GPT_OSS, local_slots, require_hopper, to_np)
 
 torch = require_hopper()
 
@@ -41,7 +42,6 @@ from qmoe import testing  # noqa: E402
 DEV = torch.device("cuda")
 MODES = ("w4a16", "w4a16_int4", "w4a4", "w4a8")
 FP4_MODES = ("w4a16", "w4a4", "w4a8")
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The bf16 x 4-bit GEMM's compiled tactics (NOTE: src/tune/tactics.cpp compiled_bf16(), one for one).
 BF16_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128")
 W4A8_ONLY_TACTIC = "decode_m64_n32_k512"  # compiled for the int4 x e4m3 GEMM only
@@ -71,24 +71,6 @@ def _report_errors(request):
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-def on_device(case: dict) -> dict:
-    return {k: to_dev(v) for k, v in case.items()}
-
-
-def run_gpu(case_dev: dict, output_dtype="bfloat16", **options) -> torch.Tensor:
-    """qmoe.fused_moe on CUDA tensors into a NaN-poisoned output."""
-    tokens, hidden = case_dev["topk_ids"].shape[0], case_dev["w2"].shape[1]
-    out = torch.full((tokens, hidden), float("nan"), dtype=TORCH_DTYPES[output_dtype], device=DEV)
-    got = qmoe.fused_moe(**case_dev, out=out, **options)
-    assert got is out
-    torch.cuda.synchronize()
-    return out
-
-
-def run_cpu(case: dict, output_dtype="bfloat16", **options) -> np.ndarray:
-    return qmoe.fused_moe(**case, output_dtype=output_dtype, **options)
-
-
 def tolerance_key(case: dict) -> str:
     per_token = case.get("per_token_scale") is not None
     return "w4a4_per_token" if per_token else case["quant_mode"]
