@@ -1,0 +1,74 @@
+// The fused finalize as a grouped-GEMM epilogue (DESIGN.md 5.2, use_fused_finalize = True; the
+// reference's "fused" rounding order, src/reference/fused_moe.cpp):
+//
+//   s = row_slot[r];  out[s / topk, n] += bf16(rsf * topk_weights[s] * v)      (atomic; order not fixed)
+//
+// v is the GEMM2 value of permuted row r, feature n (already times the row's a_scale), so the rows
+// never go through a y buffer and no finalize kernel runs. `out` must be zeroed before the GEMM
+// (the pipeline does it, on aux_stream when given). out == nullptr: the GEMM stores into d as usual.
+// Every kernel's params carry one RowScatterAdd; the launchers leave it empty for plain GEMMs.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace qmoe::cuda {
+
+enum class ScatterOut : int { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2 };
+
+struct RowScatterAdd {
+  void* out = nullptr;                 // [T, cols] in out_dtype, zeroed; nullptr: no scatter
+  ScatterOut out_dtype = ScatterOut::kBFloat16;
+  const int32_t* row_slot = nullptr;   // [R] permuted row -> flat slot t * topk + j (input_permutation)
+  const float* topk_weights = nullptr; // [T * topk]
+  int topk = 1;
+  float routed_scaling_factor = 1.f;
+  int64_t cols = 0;                    // N of the GEMM = H
+};
+
+#ifdef __CUDACC__
+// The bf16-rounded contribution of (row, value), and where it goes.
+__device__ __forceinline__ float scatter_term(const RowScatterAdd& sc, int64_t row, float v, int64_t* token) {
+  const int32_t s = sc.row_slot[row];
+  *token = s / sc.topk;
+  return __bfloat162float(__float2bfloat16_rn(sc.routed_scaling_factor * sc.topk_weights[s] * v));
+}
+
+__device__ __forceinline__ void scatter_add(const RowScatterAdd& sc, int64_t row, int64_t col, float v) {
+  int64_t token;
+  const float term = scatter_term(sc, row, v, &token);
+  const int64_t at = token * sc.cols + col;
+  switch (sc.out_dtype) {
+    case ScatterOut::kBFloat16: atomicAdd(static_cast<__nv_bfloat16*>(sc.out) + at, __float2bfloat16_rn(term)); break;
+    case ScatterOut::kFloat16: atomicAdd(static_cast<__half*>(sc.out) + at, __float2half_rn(term)); break;
+    case ScatterOut::kFloat32: atomicAdd(static_cast<float*>(sc.out) + at, term); break;
+  }
+}
+
+// Two adjacent features (col even, cols even): one 32-bit atomic for 16-bit outputs.
+__device__ __forceinline__ void scatter_add_pair(const RowScatterAdd& sc, int64_t row, int64_t col, float v0, float v1) {
+  int64_t token;
+  const int32_t s = sc.row_slot[row];
+  token = s / sc.topk;
+  const float f = sc.routed_scaling_factor * sc.topk_weights[s];
+  const float t0 = __bfloat162float(__float2bfloat16_rn(f * v0));
+  const float t1 = __bfloat162float(__float2bfloat16_rn(f * v1));
+  const int64_t at = token * sc.cols + col;
+  switch (sc.out_dtype) {
+    case ScatterOut::kBFloat16:
+      atomicAdd(reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(sc.out) + at), __floats2bfloat162_rn(t0, t1));
+      break;
+    case ScatterOut::kFloat16:
+      atomicAdd(reinterpret_cast<__half2*>(static_cast<__half*>(sc.out) + at), __floats2half2_rn(t0, t1));
+      break;
+    case ScatterOut::kFloat32:
+      atomicAdd(static_cast<float*>(sc.out) + at, t0);
+      atomicAdd(static_cast<float*>(sc.out) + at + 1, t1);
+      break;
+  }
+}
+#endif
+
+}  // namespace qmoe::cuda
