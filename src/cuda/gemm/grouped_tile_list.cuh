@@ -19,14 +19,14 @@ struct GroupedTile {
   int rows;  // valid rows in this token tile (1..TILE_N)
 };
 
-// Every thread of the block calls this. tile_start: shared [E + 1], gets the exclusive prefix of
-// tile counts (tile_start[E] = total); warp_total: shared scratch of THREADS / 32 ints.
+// Every thread of the block calls this (THREADS = blockDim.x). tile_start: shared [E + 1], gets the
+// exclusive prefix of tile counts (tile_start[E] = total); warp_total: shared scratch of THREADS / 32 ints.
 // Returns the total number of tiles.
 template <int THREADS, int TILE_N>
 __device__ __forceinline__ int build_tile_list(const int32_t* problem_sizes, int num_experts, int n_tiles,
                                                int32_t* tile_start, int32_t* warp_total) {
-  static_assert(kTileListMaxExperts % THREADS == 0 && THREADS <= 1024, "the scan covers 1024 experts");
-  constexpr int kPer = kTileListMaxExperts / THREADS;
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "whole warps");
+  constexpr int kPer = (kTileListMaxExperts + THREADS - 1) / THREADS;  // THREADS * kPer >= 1024 experts
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int count[kPer];
   int local = 0;

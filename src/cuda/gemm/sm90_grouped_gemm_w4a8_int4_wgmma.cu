@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/common/int4_to_e4m3.cuh"
@@ -279,9 +280,261 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const W
 
 }  // namespace wgmma_prefill
 
+// Warp-specialized variant: warpgroup 0 only loads (cp.async, completion signalled on a per-stage
+// "full" mbarrier), warpgroups 1 and 2 only compute (64 weight rows each) and hand a stage back on
+// its "empty" mbarrier. The two compute warpgroups are not tied together by __syncthreads, so one's
+// int4 -> e4m3 conversion and group promotion run while the other's wgmmas use the tensor cores, and
+// each converts the next stage's weights while its own wgmmas run.
+namespace wgmma_ws {
+
+using wgmma_prefill::kGroup;
+using wgmma_prefill::kStageS;
+using wgmma_prefill::kStageW;
+using wgmma_prefill::kTileM;
+constexpr int kConsumers = 2;                     // compute warpgroups, 64 weight rows each
+constexpr int kThreads = 128 * (1 + kConsumers);  // + the loading warpgroup
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // setmaxnreg: 128 * 56 + 256 * 224 = 384 * 168
+constexpr int kMaxExperts = kTileListMaxExperts;
+constexpr int kTileStartBytes = (kMaxExperts + 1) * 4 + 32 * 4;
+
+template <int TILE_N>
+struct Shape {
+  static constexpr int kAcc = TILE_N / 2;
+  static constexpr int kStageA = TILE_N * kGroup;
+  static constexpr int kStageBytes = kStageA + kStageW + kStageS;
+  static constexpr int kStages = TILE_N == 128 ? 8 : 12;  // ~200 KB of stages either way
+  static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
+  static constexpr int kBarrierBytes = 2 * kStages * 8;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes;
+  static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
+};
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(wgmma_prefill::smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(wgmma_prefill::smem_u32(bar)) : "memory");
+}
+// Arrives once this thread's earlier cp.asyncs have landed (the count was set at init: noinc).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(wgmma_prefill::smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  const uint32_t addr = wgmma_prefill::smem_u32(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+template <class OutT, int TILE_N>
+__global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
+  using S = Shape<TILE_N>;
+  constexpr int kStages = S::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* stages = smem;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * S::kStageBytes);
+  uint64_t* empty = full + kStages;
+  int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kStages);
+  int32_t* warp_total = tile_start + kMaxExperts + 1;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 128);               // every loading thread, after its copies landed
+      mbar_init(&empty[s], 128 * kConsumers);  // every computing thread, after its wgmmas read the stage
+    }
+  }
+  const int E = p.num_experts;
+  const int n_tiles = (p.n + kTileM - 1) / kTileM;
+  const int groups = p.k / kGroup;
+  // (its barriers also publish the mbarrier initialisation)
+  const int total_tiles = build_tile_list<kThreads, TILE_N>(p.problem_sizes, E, n_tiles, tile_start, warp_total);
+  if (static_cast<int>(blockIdx.x) >= total_tiles) return;
+  const int my_tiles = (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
+  const int total_iters = my_tiles * groups;
+  auto tile_of = [&](int tile_iter) {
+    return find_tile<kTileM, TILE_N>(blockIdx.x + tile_iter * gridDim.x, tile_start, E, p.problem_sizes,
+                                     p.expert_offsets);
+  };
+
+  if (wg == 0) {
+    // ---- Loading warpgroup: stage it % kStages once the computing warpgroups released it.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    const int64_t w_row_bytes = p.k / 2;
+    const int a_row = tid >> 3, a_chunk = tid & 7;  // + 16 rows per pass
+    const int w_row = tid >> 2, w_chunk = tid & 3;  // + 32 rows per pass
+    GroupedTile t{0, 0, 0, 0};
+    for (int it = 0; it < total_iters; ++it) {
+      const int g = it % groups, s = it % kStages;
+      if (g == 0) t = tile_of(it / groups);
+      mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+      const uint32_t sa = wgmma_prefill::smem_u32(stages + s * S::kStageBytes), sw = sa + S::kStageA,
+                     ss = sw + kStageW;
+#pragma unroll
+      for (int i = 0; i < TILE_N / 16; ++i) {
+        const int r = a_row + 16 * i;
+        const bool valid = r < t.rows;
+        const uint8_t* src = valid ? p.a + static_cast<int64_t>(t.row0 + r) * p.k + g * kGroup + a_chunk * 16 : p.a;
+        wgmma_prefill::cp_async_16(sa + r * kGroup + ((a_chunk ^ (r & 7)) << 4), src, valid);
+      }
+#pragma unroll
+      for (int i = 0; i < kTileM / 32; ++i) {
+        const int r = w_row + 32 * i;
+        const bool valid = t.n0 + r < p.n;
+        const uint8_t* src = valid ? p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + r) * w_row_bytes +
+                                         g * (kGroup / 2) + w_chunk * 16
+                                   : p.b;
+        wgmma_prefill::cp_async_16(sw + r * (kGroup / 2) + w_chunk * 16, src, valid);
+      }
+      if (p.scales_packed4) {
+        if (tid < kTileM / 2) {
+          const bool valid = t.n0 + 2 * tid < p.n;
+          const __nv_bfloat16* src =
+              valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / 512) + g / 4) * 4 * p.n + 4 * (t.n0 + 2 * tid)
+                    : p.b_scales;
+          wgmma_prefill::cp_async_16(ss + tid * 16, src, valid);
+        }
+      } else if (tid < kTileM / 8) {
+        const bool valid = t.n0 + 8 * tid < p.n;
+        const __nv_bfloat16* src =
+            valid ? p.b_scales + (static_cast<int64_t>(t.expert) * groups + g) * p.n + t.n0 + 8 * tid : p.b_scales;
+        wgmma_prefill::cp_async_16(ss + tid * 16, src, valid);
+      }
+      mbar_arrive_cp_async(&full[s]);
+    }
+    wgmma_prefill::cp_async_wait<0>();  // no copy outlives its thread
+    return;
+  }
+
+  // ---- Computing warpgroups: warp w of warpgroup c owns weight rows 64 c + 16 (w % 4) + {gid, gid + 8}.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  const int gid = lane >> 2, tig = lane & 3;
+  const int r0 = (wg - 1) * 64 + (warp & 3) * 16 + gid, r1 = r0 + 8;
+  const int shift = (tig & 1) * 16;
+  float acc[S::kAcc], part[S::kAcc];
+#pragma unroll
+  for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
+
+  // The A operand (this thread's int4 weights of stage it as e4m3) once the stage has landed.
+  uint32_t a[4][4], next[4][4];
+  auto convert = [&](int it, uint32_t (&out)[4][4]) {
+    const int s = it % kStages;
+    mbar_wait(&full[s], (it / kStages) & 1);
+    // NOTE: the cp.async writes reached this thread through the mbarrier; the tensor cores read the
+    // activations through the async proxy, so make them visible to it too.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    const uint8_t* sw = stages + s * S::kStageBytes + S::kStageA;
+    uint4 w0[4], w1[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      w0[c] = reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2))[c];
+      w1[c] = reinterpret_cast<const uint4*>(sw + r1 * (kGroup / 2))[c];
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t lo0 = (tig & 2) ? w0[k].y : w0[k].x, hi0 = (tig & 2) ? w0[k].w : w0[k].z;
+      const uint32_t lo1 = (tig & 2) ? w1[k].y : w1[k].x, hi1 = (tig & 2) ? w1[k].w : w1[k].z;
+      out[k][0] = wgmma_prefill::int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
+      out[k][1] = wgmma_prefill::int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
+      out[k][2] = wgmma_prefill::int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
+      out[k][3] = wgmma_prefill::int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
+    }
+  };
+
+  GroupedTile t{0, 0, 0, 0};
+  if (total_iters > 0) convert(0, a);
+  for (int it = 0; it < total_iters; ++it) {
+    const int g = it % groups, s = it % kStages;
+    if (g == 0) t = tile_of(it / groups);
+    const uint8_t* st = stages + s * S::kStageBytes;
+    const uint64_t desc = wgmma_prefill::make_desc_sw128(wgmma_prefill::smem_u32(st));
+    wgmma_prefill::wgmma_fence();
+    wgmma_prefill::fence_operands(part);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      wgmma_prefill::wgmma_k32<TILE_N>(part, a[k][0], a[k][1], a[k][2], a[k][3], desc + 2 * k, k > 0);
+    wgmma_prefill::wgmma_commit();
+    // While the tensor cores run: the next stage's weights.
+    if (it + 1 < total_iters) convert(it + 1, next);
+    const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
+    const float s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
+    const float s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
+    wgmma_prefill::wgmma_wait_all();
+    wgmma_prefill::fence_operands(part);
+    mbar_arrive(&empty[s]);  // this thread is done with stage s (weights and scales in registers)
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) a[k][j] = next[k][j];
+#pragma unroll
+    for (int j = 0; j < TILE_N / 8; ++j) {
+      acc[4 * j + 0] = fmaf(s0, part[4 * j + 0], acc[4 * j + 0]);
+      acc[4 * j + 1] = fmaf(s0, part[4 * j + 1], acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(s1, part[4 * j + 2], acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(s1, part[4 * j + 3], acc[4 * j + 3]);
+    }
+    if (g == groups - 1) {
+      // Epilogue: accumulator (row r, token column 8 j + 2 tig + h) -> D[token, feature], or the
+      // fused finalize's scatter-add (grouped_gemm_epilogue.cuh).
+      const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
+#pragma unroll
+      for (int j = 0; j < TILE_N / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int c = 8 * j + 2 * tig + h;
+          if (c < t.rows) {
+            const int64_t row = t.row0 + c;
+            const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
+            if (p.scatter.out != nullptr) {
+              if (ok0) scatter_add(p.scatter, row, t.n0 + r0, sc * acc[4 * j + h]);
+              if (ok1) scatter_add(p.scatter, row, t.n0 + r1, sc * acc[4 * j + 2 + h]);
+            } else {
+              OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
+              if (ok0) wgmma_prefill::store_out(out + r0, sc * acc[4 * j + h]);
+              if (ok1) wgmma_prefill::store_out(out + r1, sc * acc[4 * j + 2 + h]);
+            }
+          }
+          acc[4 * j + h] = 0.f;
+          acc[4 * j + 2 + h] = 0.f;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace wgmma_ws
+
 namespace {
+// TEMPORARY (until measured on the H200): QMOE_WGMMA_WS=1 runs the warp-specialized kernel.
+bool use_warp_specialized() {
+  static const bool ws = [] {
+    const char* v = std::getenv("QMOE_WGMMA_WS");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return ws;
+}
+
+template <class OutT, int TILE_N>
+void launch_ws(const WgmmaGemmParams& params, cudaStream_t stream) {
+  constexpr int kSmem = wgmma_ws::Shape<TILE_N>::kSmemBytes;
+  constexpr auto kernel = wgmma_ws::kernel<OutT, TILE_N>;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const int fit = resident_ctas<kernel>(wgmma_ws::kThreads, kSmem, device, "occupancy of the w4a8 wgmma prefill");
+  launch_kernel(kernel, dim3(fit), dim3(wgmma_ws::kThreads), kSmem, stream, params);
+  check_cuda(cudaGetLastError(), "w4a8 wgmma prefill launch");
+}
+
 template <class OutT, int TILE_N>
 void launch_typed(const WgmmaGemmParams& params, cudaStream_t stream) {
+  if (use_warp_specialized()) return launch_ws<OutT, TILE_N>(params, stream);
   constexpr int kSmem = wgmma_prefill::Shape<TILE_N>::kSmemBytes;
   constexpr auto kernel = wgmma_prefill::kernel<OutT, TILE_N>;
   int device = 0;
