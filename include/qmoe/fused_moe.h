@@ -18,6 +18,10 @@
 //   kW4A16Int4 x bf16 [T,H]; weights int4-g128 as kW4A8Int4; bf16 intermediate.
 // topk_ids int32 [T, k] (global expert ids), topk_weights f32 [T, k]; output bf16/f16/f32 [T, H],
 // written (never accumulated into).
+// Finalize (deterministic == false, the default): on the GPU the output is zeroed and GEMM2's
+// epilogue adds every slot's bf16(rsf * w * row) into its token's row atomically (no per-slot buffer,
+// no finalize pass; summation order, hence the last bits, vary run to run). deterministic == true:
+// fixed-order fp32 sum per token, bitwise reproducible (DESIGN.md 3b).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -68,6 +72,11 @@ struct FusedMoeParams {
   float routed_scaling_factor = 1.0f;
   std::string tactic;          // empty: heuristic
   bool enable_pdl = false;     // CUDA: programmatic dependent launch between the pipeline's kernels
+  // CUDA, fused finalize (deterministic == false) only: a side stream for the zeroing of `output`,
+  // forked from and joined back into the call's stream through events, so the memset overlaps the
+  // kernels before GEMM2 (FlashInfer's aux_stream). nullptr: the memset runs on the call's stream.
+  // Same device as the tensors. Ignored on CPU tensors, by moe_expert_rows and when deterministic.
+  cudaStream_t aux_stream = nullptr;
 };
 
 // Throws qmoe::Error naming the first bad argument; no work is done.
@@ -101,13 +110,18 @@ int64_t moe_expert_rows_workspace_size(const FusedMoeParams& p, const TensorRef&
 void moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows, void* workspace = nullptr,
                      int64_t workspace_bytes = 0, cudaStream_t stream = nullptr);
 
-// moe_finalize: out[t] = round_out(rsf * sum_j fp32(w[t,j] * rows[t*k + j])), fp32 sum in slot order
+// moe_finalize: out[t] = round_out(rsf * sum_j fp32(w[t,j] * row(t*k + j))), fp32 sum in slot order
 // over the slots the routing rule keeps (0 <= e < num_experts, e in the local range); other rows are
-// never read. rows bf16 [T*k, H]; topk_ids int32 [T, k]; topk_weights f32 [T, k]; output
-// bf16/f16/f32 [T, H], written. CPU tensors run the reference; CUDA tensors a GPU kernel on `stream`
-// with the same arithmetic (bit-identical), no allocation, no host sync (CUDA-graph capturable).
+// never read. row(s) = rows[s] with rows bf16 [T*k, H]; or, with row_index (int32 [T*k] or [T, k]),
+// row(s) = rows[row_index[s]] with rows bf16 [R, H] (any R >= 0; a slot whose index is outside
+// [0, R), e.g. -1, is skipped like a dropped slot): expert parallelism finalizes the received rows
+// in place, without gathering them into slot order first (same arithmetic, same bits).
+// topk_ids int32 [T, k]; topk_weights f32 [T, k]; output bf16/f16/f32 [T, H], written. CPU tensors
+// run the reference; CUDA tensors a GPU kernel on `stream` with the same arithmetic (bit-identical),
+// no allocation, no host sync (CUDA-graph capturable).
 struct MoeFinalizeParams {
   TensorRef rows, topk_ids, topk_weights, output;
+  std::optional<TensorRef> row_index;  // None: rows are in slot order
   int64_t num_experts = 0;
   int64_t num_local_experts = 0;  // 0 means num_experts
   int64_t local_expert_offset = 0;

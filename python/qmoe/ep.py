@@ -5,7 +5,8 @@ back the full MoE output of those tokens:
 
     quantize at home -> pack each token's tensors into one byte row -> plan (array ops, on the device
     for torch CUDA tensors) -> dispatch (one grouped send/recv) -> moe_expert_rows on the owner (its
-    local experts only) -> combine (one bf16 row per owned slot back home) -> moe_finalize at home
+    local experts only) -> combine (one bf16 row per owned slot back home) -> moe_finalize at home,
+    reading the returned rows where they arrived (row_index: no gather into slot order)
 
 Exactness: rows are formed per slot from the same numbers as on one GPU (the activation row and its
 a1 travel together; a2 is static), and the home rank runs the deterministic finalize in slot order,
@@ -68,6 +69,9 @@ class _Arrays:
     def int64(self, a):
         return a.long() if self.torch else np.asarray(a).astype(np.int64)
 
+    def int32(self, a):
+        return a.to(self.torch.int32) if self.torch else np.asarray(a).astype(np.int32)
+
     def arange(self, n):
         return self.torch.arange(n, device=self.device) if self.torch else np.arange(n, dtype=np.int64)
 
@@ -95,9 +99,19 @@ class _Arrays:
         """a[i, columns[i, j]] for a [N, W], columns [N, k] (int64, in range)."""
         return a.gather(1, columns) if self.torch else np.take_along_axis(a, columns, axis=1)
 
-    def host_ints(self, a) -> list:
-        """A small integer array as Python ints (torch CUDA: one device-to-host copy, a host sync)."""
-        return [int(v) for v in (a.cpu().tolist() if self.torch else np.asarray(a).tolist())]
+    def host_ints_later(self, a):
+        """A small integer array as Python ints, in two steps: this call starts the device-to-host
+        copy (torch CUDA: into pinned memory, asynchronous, an event behind it) and returns a callable
+        that waits for it (the host sync) and returns the ints. Work enqueued between the two steps
+        keeps the GPU busy while the host waits."""
+        if self.torch and a.is_cuda:
+            host = self.torch.empty(a.shape, dtype=a.dtype, pin_memory=True)
+            host.copy_(a, non_blocking=True)
+            done = self.torch.cuda.Event()
+            done.record()
+            return lambda: (done.synchronize(), [int(v) for v in host.reshape(-1).tolist()])[1]
+        values = [int(v) for v in (a.reshape(-1).tolist() if self.torch else np.asarray(a).reshape(-1).tolist())]
+        return lambda: values
 
     def contiguous(self, a):
         return a.contiguous() if self.torch else np.ascontiguousarray(a)
@@ -133,6 +147,24 @@ class _Routing:
         # Position of token t in destination d's list (ascending token order), valid where dest.
         self.position = xp.cumsum0(xp.int64(self.dest)) - 1                    # [T, W]
         self.owner_or_0 = xp.where(self.valid, self.owner, xp.full(ids64.shape, 0))
+
+    def throughput_row_index(self, xp: _Arrays):
+        """int32 [T*k]: where the row of slot s sits in the throughput combine's receive buffer (grouped
+        by owner d, each group in (token, slot) order): return_offset[d] + rank of s among d's slots;
+        -1 for invalid slots. Routing only: computed before any exchange."""
+        flat_owner = self.owner_or_0.reshape(-1, 1)
+        rank_in_owner = xp.take_columns(xp.cumsum0(xp.int64(self.slot_onehot)), flat_owner).reshape(-1) - 1
+        base = xp.cumsum0(self.return_counts) - self.return_counts  # exclusive offsets per owner
+        index = base[flat_owner.reshape(-1)] + rank_in_owner
+        return xp.int32(xp.where(self.valid.reshape(-1), index, xp.full(index.shape, -1)))
+
+    def low_latency_row_index(self, xp: _Arrays, capacity: int):
+        """int32 [T*k]: slot (t, j) owned by d comes back at d*C*k + position(t in d's list)*k + j of
+        the fixed [W*C*k, H] receive buffer; -1 for invalid slots."""
+        top_k = self.top_k
+        position = xp.take_columns(self.position, self.owner_or_0)  # [T, k]
+        index = self.owner_or_0 * (capacity * top_k) + position * top_k + xp.arange(top_k)[None, :]
+        return xp.int32(xp.where(self.valid, index, xp.full(index.shape, -1)).reshape(-1))
 
 
 def _send_index(xp: _Arrays, routing: _Routing, base, total: int):
@@ -206,14 +238,25 @@ class ExpertParallelMoE:
         mark = timeline if timeline is not None else (lambda name: None)
         xp = _Arrays(x)
         ids = topk_ids.to(xp.torch.int32).contiguous() if xp.torch else np.ascontiguousarray(topk_ids, np.int32)
+        routing = _Routing(xp, ids, self.num_experts, self.world_size)
+        if mode == "throughput":
+            # The count exchange goes first and the host waits for it only after the quantize and
+            # pack are enqueued: the GPU works on those while the host waits (the layer's one sync).
+            counts_later = self._exchange_counts(xp, routing)
+            row_index = routing.throughput_row_index(xp)
+            # Send order for the largest possible total (T*W); the true total is a prefix of it.
+            send_base = xp.cumsum0(routing.send_counts) - routing.send_counts  # exclusive offsets
+            send_src = _send_index(xp, routing, send_base, num_tokens * self.world_size)
+        else:
+            row_index = routing.low_latency_row_index(xp, int(max_tokens_per_rank))
         payload = self._quantize(x, x_scale, fc2_input_scale, per_token_scale, num_tokens)
         payload["topk_ids"] = ids
         packed, layout = self._pack(xp, payload, num_tokens)
-        routing = _Routing(xp, ids, self.num_experts, self.world_size)
 
         mark("dispatch")
         if mode == "throughput":
-            recv, counts = self._dispatch_throughput(xp, packed, routing)
+            counts = counts_later()
+            recv = self._dispatch_throughput(xp, packed, send_src, counts)
         else:
             recv, counts = self._dispatch_low_latency(xp, packed, routing, int(max_tokens_per_rank)), None
         received = self._unpack(xp, recv, layout)
@@ -222,13 +265,14 @@ class ExpertParallelMoE:
                                  top_k, tactic)
         mark("combine")
         if mode == "throughput":
-            home_rows = self._combine_throughput(xp, rows, received["topk_ids"], counts, routing)
+            back = self._combine_throughput(xp, rows, received["topk_ids"], counts)
         else:
-            home_rows = self._combine_low_latency(xp, rows, routing, int(max_tokens_per_rank))
+            back = self._combine_low_latency(xp, rows, int(max_tokens_per_rank))
         mark("finalize")
-        result = ops.moe_finalize(home_rows, ids, topk_weights, num_experts=self.num_experts,
+        # The returned rows are read where they arrived (row_index), not gathered into slot order.
+        result = ops.moe_finalize(back, ids, topk_weights, num_experts=self.num_experts,
                                   routed_scaling_factor=self.routed_scaling_factor, output_dtype=self.output_dtype,
-                                  out=out)
+                                  out=out, row_index=row_index)
         mark("end")
         return result
 
@@ -298,20 +342,27 @@ class ExpertParallelMoE:
         self.transport.all_to_all(sends, recv_counts, out=out)
         return out
 
-    def _dispatch_throughput(self, xp: _Arrays, packed, routing: _Routing):
+    def _exchange_counts(self, xp: _Arrays, routing: _Routing):
+        """One small exchange of (tokens, owned slots) per peer; returns a callable that waits for the
+        numbers on the host (the only host sync of the layer) and returns them as a dict of lists."""
         world = self.world_size
-        # One small exchange of (tokens, owned slots) per peer, then the only host sync of the layer.
         mine = xp.contiguous(_stack_columns(xp, routing.send_counts, routing.return_counts))  # [W, 2]
         theirs = self._exchange(xp, mine, [1] * world, [1] * world, (2,), mine.dtype)
-        both = xp.host_ints(_concat(xp, mine.reshape(-1), theirs.reshape(-1)))
-        counts = {"send_tokens": both[0:2 * world:2], "send_slots": both[1:2 * world:2],
-                  "recv_tokens": both[2 * world::2], "recv_slots": both[2 * world + 1::2]}
+        later = xp.host_ints_later(_concat(xp, mine.reshape(-1), theirs.reshape(-1)))
+
+        def wait():
+            both = later()
+            return {"send_tokens": both[0:2 * world:2], "send_slots": both[1:2 * world:2],
+                    "recv_tokens": both[2 * world::2], "recv_slots": both[2 * world + 1::2]}
+
+        return wait
+
+    def _dispatch_throughput(self, xp: _Arrays, packed, send_src, counts: dict):
+        """send_src: _send_index for a total of T*W; its first sum(send_tokens) entries are the send
+        order (the positions are the same whatever the total, only the unused tail differs)."""
         total = sum(counts["send_tokens"])
-        base = xp.cumsum0(routing.send_counts) - routing.send_counts  # exclusive offsets, on the device
-        src = _send_index(xp, routing, base, total)
-        recv = self._exchange(xp, packed[src], counts["send_tokens"], counts["recv_tokens"], (packed.shape[1],),
-                              packed.dtype)
-        return recv, counts
+        return self._exchange(xp, packed[send_src[:total]], counts["send_tokens"], counts["recv_tokens"],
+                              (packed.shape[1],), packed.dtype)
 
     def _dispatch_low_latency(self, xp: _Arrays, packed, routing: _Routing, capacity: int):
         """Fixed [W, C] positions per peer; unused ones copy the pad row (topk_ids -1: skipped)."""
@@ -332,9 +383,10 @@ class ExpertParallelMoE:
             w2_alpha=w2_alpha, fc2_input_scale=fc2_input_scale, num_local_experts=self.experts_per_rank,
             local_expert_offset=self.local_expert_offset, tactic=tactic, **self.options)
 
-    def _combine_throughput(self, xp: _Arrays, rows, recv_ids, counts, routing: _Routing):
+    def _combine_throughput(self, xp: _Arrays, rows, recv_ids, counts):
         """Owner: rows of its slots, grouped by source rank in receive order ((token, slot) order).
-        Home: the row of its slot s owned by d is at return_offset[d] + (rank of s among d's slots)."""
+        Home: the receive buffer as it arrived; the row of its slot s owned by d is at
+        return_offset[d] + (rank of s among d's slots) (_Routing.throughput_row_index)."""
         hidden = rows.shape[1]
         owned_total = sum(counts["recv_slots"])
         ids64 = xp.int64(recv_ids).reshape(-1)
@@ -344,31 +396,16 @@ class ExpertParallelMoE:
         target = xp.where(owned, slot_rank, xp.full(slot_rank.shape, owned_total))
         ret_src = xp.full((owned_total + 1,), 0)
         ret_src[target] = xp.arange(int(ids64.shape[0]))
-        back = self._exchange(xp, rows[ret_src[:owned_total]], counts["recv_slots"], counts["send_slots"],
+        return self._exchange(xp, rows[ret_src[:owned_total]], counts["recv_slots"], counts["send_slots"],
                               (hidden,), rows.dtype)
-        # Home side: one gather into slot order; slots without a row point at a row never read.
-        home_total = sum(counts["send_slots"])
-        cum = xp.cumsum0(xp.int64(routing.slot_onehot))
-        rank_in_owner = (cum * xp.int64(routing.slot_onehot)).sum(1) - 1  # [T*k], -1 for invalid slots
-        base = xp.cumsum0(routing.return_counts) - routing.return_counts
-        owner = routing.owner_or_0.reshape(-1)
-        index = xp.where(routing.valid.reshape(-1), base[owner] + rank_in_owner,
-                         xp.full(owner.shape, 0))
-        if home_total == 0:  # no valid slot at all: nothing is read by the finalize
-            return _zeros_rows(xp, routing.num_tokens * routing.top_k, hidden, rows.dtype)
-        return back[index]
 
-    def _combine_low_latency(self, xp: _Arrays, rows, routing: _Routing, capacity: int):
-        """Owner: its whole [W, C*k, H] row buffer back (fixed size). Home: row of (t, j) owned by d
-        sits at d*C*k + position(t in d's list)*k + j."""
-        world, hidden, top_k = self.world_size, rows.shape[1], routing.top_k
-        chunk = capacity * top_k
-        back = self._exchange(xp, rows, [chunk] * world, [chunk] * world, (hidden,), rows.dtype)
-        owner = routing.owner_or_0
-        position = xp.take_columns(routing.position, owner)  # [T, k]
-        j = xp.arange(top_k)[None, :]
-        index = xp.where(routing.valid, owner * chunk + position * top_k + j, xp.full(owner.shape, 0))
-        return back[index.reshape(-1)]
+    def _combine_low_latency(self, xp: _Arrays, rows, capacity: int):
+        """Owner: its whole [W, C*k, H] row buffer back (fixed size). Home: the buffer as it arrived;
+        row of (t, j) owned by d sits at d*C*k + position(t in d's list)*k + j
+        (_Routing.low_latency_row_index)."""
+        world, hidden = self.world_size, rows.shape[1]
+        chunk = rows.shape[0] // world  # C*k: the owner's rows are [W*C, k] flat
+        return self._exchange(xp, rows, [chunk] * world, [chunk] * world, (hidden,), rows.dtype)
 
 
 def _numpy_to_torch(a):
@@ -390,8 +427,3 @@ def _stack_columns(xp: _Arrays, a, b):
 def _concat(xp: _Arrays, a, b):
     return xp.torch.cat([a, b]) if xp.torch else np.concatenate([a, b])
 
-
-def _zeros_rows(xp: _Arrays, n, hidden, dtype):
-    if xp.torch:
-        return xp.torch.zeros((n, hidden), dtype=dtype, device=xp.device)
-    return np.zeros((n, hidden), dtype)

@@ -74,7 +74,7 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
               num_local_experts=None, local_expert_offset=0, activation="swiglu", swiglu_alpha=1.0,
               swiglu_beta=0.0, swiglu_limit=math.inf, situ_beta=1.0, situ_linear_beta=None,
               gate_up_layout="gate_up", deterministic=False, routed_scaling_factor=1.0,
-              output_dtype="bfloat16", out=None, tactic=None, workspace=None, enable_pdl=False):
+              output_dtype="bfloat16", out=None, tactic=None, workspace=None, enable_pdl=False, aux_stream=None):
     """One MoE layer: out[t] = rsf * sum_j w[t,j] * alpha2 * W2 . requant(act(alpha1 * W13 . x[t])).
 
     See include/qmoe/fused_moe.h for the tensors of each quant_mode. `out` ([T, H]) is written,
@@ -82,6 +82,12 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
     CUDA tensor of at least _C.fused_moe_workspace_size bytes to use instead of allocating one
     (CuteDslMoEWrapper(use_cuda_graph=True) passes its pre-allocated buffer). `enable_pdl`: CUDA
     programmatic dependent launch between the pipeline's kernels (same results; no effect on the CPU).
+    `deterministic=False` (the fused finalize): on the GPU the output is zeroed and GEMM2 adds each
+    slot's bf16-rounded weighted row into its token's row atomically (summation order, hence the last
+    bits, vary run to run); True: fixed-order fp32 sum, bitwise reproducible. `aux_stream` (CUDA, fused
+    finalize only): a torch.cuda.Stream or raw cudaStream_t int on x's device that runs the output
+    memset, forked from and joined back into the current stream, so it overlaps the earlier kernels
+    (FlashInfer's aux_stream); None: the memset runs on the current stream.
     """
     if quant_mode not in QUANT_MODES:
         raise ValueError(f"qmoe: argument 'quant_mode': expected one of {QUANT_MODES}, got {quant_mode!r}")
@@ -137,8 +143,33 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
                 out_dtype=str(out.dtype).replace("torch.", ""), device=x.device,
                 run=lambda name: _run_with_tactic(call, name, workspace, x))
             call.tactic = chosen or ""
+        # After tuning: the timed runs keep the memset inline (FlashInfer forces that too, PR #4192).
+        call.aux_stream = _aux_stream_handle(aux_stream, x)
     _C.fused_moe(call, arg(workspace, "workspace"), current_stream(x))
     return out
+
+
+def _aux_stream_handle(aux_stream, x) -> int:
+    """fused_moe's aux_stream as a raw cudaStream_t (0: none): a torch.cuda.Stream on x's device, an
+    int handle, or None."""
+    if aux_stream is None:
+        return 0
+    if isinstance(aux_stream, bool):
+        raise ValueError(f"qmoe: argument 'aux_stream': expected a torch.cuda.Stream, an int handle or None, "
+                         f"got {aux_stream!r}")
+    if isinstance(aux_stream, int):
+        if aux_stream < 0:
+            raise ValueError(f"qmoe: argument 'aux_stream': expected a non-negative stream handle, got {aux_stream}")
+        return aux_stream
+    import torch
+
+    if isinstance(aux_stream, torch.cuda.Stream):
+        if aux_stream.device != x.device:
+            raise ValueError(f"qmoe: argument 'aux_stream': expected a stream on {x.device} (the device of 'x'), "
+                             f"got one on {aux_stream.device}")
+        return int(aux_stream.cuda_stream)
+    raise ValueError(f"qmoe: argument 'aux_stream': expected a torch.cuda.Stream, an int handle or None, "
+                     f"got {type(aux_stream).__name__}")
 
 
 def moe_expert_rows(x, topk_ids, w1, w1_scale, w2, w2_scale, *, quant_mode, num_experts, x_scale=None,
@@ -186,11 +217,14 @@ def moe_expert_rows(x, topk_ids, w1, w1_scale, w2, w2_scale, *, quant_mode, num_
 
 
 def moe_finalize(rows, topk_ids, topk_weights, *, num_experts, num_local_experts=None, local_expert_offset=0,
-                 routed_scaling_factor=1.0, output_dtype="bfloat16", out=None):
+                 routed_scaling_factor=1.0, output_dtype="bfloat16", out=None, row_index=None):
     """Deterministic finalize of per-slot rows (bf16 [T*k, H], as moe_expert_rows writes them):
     out[t] = round_out(rsf * sum_j fp32(w[t, j] * rows[t*k + j])), fp32 in slot order, over the slots
-    whose expert is valid and local; other rows are never read. numpy arrays run the CPU reference;
-    torch CUDA tensors a GPU kernel (bit-identical) on torch's current stream."""
+    whose expert is valid and local; other rows are never read. row_index (int32 [T*k] or [T, k]):
+    slot s reads rows[row_index[s]] instead, rows then [R, H] of any R; an index outside [0, R)
+    (e.g. -1) drops the slot. The result equals moe_finalize(rows[row_index], ...) bit for bit
+    without that gather. numpy arrays run the CPU reference; torch CUDA tensors a GPU kernel
+    (bit-identical) on torch's current stream."""
     if len(getattr(topk_ids, "shape", ())) != 2 or len(getattr(rows, "shape", ())) != 2:
         raise ValueError("qmoe: argument 'rows': expected rows [T*k, H] and topk_ids [T, k], got shapes "
                          f"{tuple(getattr(rows, 'shape', ()))} and {tuple(getattr(topk_ids, 'shape', ()))}")
@@ -200,7 +234,7 @@ def moe_finalize(rows, topk_ids, topk_weights, *, num_experts, num_local_experts
                     arg(out, "out", output=True), as_int(num_experts, "num_experts"),
                     as_int(num_experts if num_local_experts is None else num_local_experts, "num_local_experts"),
                     as_int(local_expert_offset, "local_expert_offset"), float(routed_scaling_factor),
-                    current_stream(rows))
+                    current_stream(rows), arg(row_index, "row_index"))
     return out
 
 

@@ -11,7 +11,8 @@
 //   w4a8_int4                     src/cuda/fused/sm90_fused_moe_w4a8_int4.cu (int4 x e4m3 GEMMs)
 //   w4a16, w4a16_int4, w4a4, w4a8 src/cuda/fused/sm90_fused_moe_bf16_w4.cu   (bf16 x 4-bit GEMMs)
 // fused_moe_workspace_size returns the exact scratch bytes of the pipeline
-// (src/cuda/fused/fused_moe_workspace.h), 0 for CPU tensors.
+// (src/cuda/fused/fused_moe_workspace.h), 0 for CPU tensors. p.aux_stream (the fused finalize's
+// side stream for the output memset) is handed to the pipeline as is; the CPU path ignores it.
 //
 // Shapes (E_l = local experts, H = w2.size(1), I = 2 * w2.size(2), R1 = 2I gated / I for ReLU^2):
 //   topk_ids int32 [T, k] (1 <= k <= 16), topk_weights f32 [T, k], output bf16/f16/f32 [T, H]

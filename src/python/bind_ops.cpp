@@ -210,7 +210,11 @@ void bind_ops(nb::module_& m) {
           [](LayerCall& c, const std::string& tactic) { c.params.tactic = tactic; })
       .def_prop_rw(
           "enable_pdl", [](const LayerCall& c) { return c.params.enable_pdl; },
-          [](LayerCall& c, bool on) { c.params.enable_pdl = on; });
+          [](LayerCall& c, bool on) { c.params.enable_pdl = on; })
+      // The fused finalize's side stream for the output memset (raw cudaStream_t; 0: none).
+      .def_prop_rw(
+          "aux_stream", [](const LayerCall& c) { return reinterpret_cast<uintptr_t>(c.params.aux_stream); },
+          [](LayerCall& c, uintptr_t s) { c.params.aux_stream = as_stream(s); });
 
   // Bytes of scratch the GPU pipeline needs (validates the whole call first, so a bad call fails
   // before anything is allocated); 0 on the CPU.
@@ -262,9 +266,11 @@ void bind_ops(nb::module_& m) {
   m.def(
       "moe_finalize",
       [](const Arg& rows, const Arg& topk_ids, const Arg& topk_weights, Arg& output, int64_t num_experts,
-         int64_t num_local_experts, int64_t local_expert_offset, float routed_scaling_factor, uintptr_t stream) {
+         int64_t num_local_experts, int64_t local_expert_offset, float routed_scaling_factor, uintptr_t stream,
+         const Arg* row_index) {
         MoeFinalizeParams p;
         p.rows = rows.ref;
+        if (row_index) p.row_index = row_index->ref;
         p.topk_ids = topk_ids.ref;
         p.topk_weights = topk_weights.ref;
         p.output = output.ref;
@@ -277,7 +283,7 @@ void bind_ops(nb::module_& m) {
       },
       nb::arg("rows"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("output"), nb::arg("num_experts"),
       nb::arg("num_local_experts"), nb::arg("local_expert_offset"), nb::arg("routed_scaling_factor"),
-      nb::arg("stream") = 0);
+      nb::arg("stream") = 0, nb::arg("row_index").none() = nb::none());
 }
 
 }  // namespace qmoe::python

@@ -618,12 +618,26 @@ void moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows) {
 }
 
 void moe_finalize(const MoeFinalizeParams& p) {
-  const int64_t hidden = p.rows.size(1);
+  const int64_t hidden = p.rows.size(1), tokens = p.topk_ids.size(0), topk = p.topk_ids.size(1);
   const uint16_t* rows = p.rows.ptr<const uint16_t>();
-  finalize_deterministic(p.topk_ids.ptr<const int32_t>(), p.topk_weights.ptr<const float>(), p.topk_ids.size(0),
-                         p.topk_ids.size(1), hidden, p.num_experts, p.local_expert_offset,
-                         p.num_local_experts == 0 ? p.num_experts : p.num_local_experts, p.routed_scaling_factor,
-                         p.output, [&](int64_t s, int64_t n) { return bf16_to_float(rows[s * hidden + n]); });
+  const int64_t local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
+  if (!p.row_index) {
+    finalize_deterministic(p.topk_ids.ptr<const int32_t>(), p.topk_weights.ptr<const float>(), tokens, topk, hidden,
+                           p.num_experts, p.local_expert_offset, local, p.routed_scaling_factor, p.output,
+                           [&](int64_t s, int64_t n) { return bf16_to_float(rows[s * hidden + n]); });
+    return;
+  }
+  // Row index: a slot whose index lies outside [0, R) is dropped like an invalid id, so the ids the
+  // shared loop sees are the caller's with those slots set to -1 (same loop, same bits).
+  const int32_t* index = p.row_index->ptr<const int32_t>();
+  const int32_t* ids = p.topk_ids.ptr<const int32_t>();
+  const int64_t num_rows = p.rows.size(0);
+  std::vector<int32_t> kept_ids(static_cast<size_t>(tokens * topk));
+  for (int64_t s = 0; s < tokens * topk; ++s) kept_ids[s] = index[s] >= 0 && index[s] < num_rows ? ids[s] : -1;
+  finalize_deterministic(kept_ids.data(), p.topk_weights.ptr<const float>(), tokens, topk, hidden, p.num_experts,
+                         p.local_expert_offset, local, p.routed_scaling_factor, p.output, [&](int64_t s, int64_t n) {
+                           return bf16_to_float(rows[static_cast<int64_t>(index[s]) * hidden + n]);
+                         });
 }
 
 }  // namespace qmoe::reference

@@ -135,6 +135,78 @@ def test_moe_finalize_errors_name_the_argument():
         ops.moe_finalize(rows, ids, wts, num_experts=4, out=np.empty((3, 128), qt.ref.BF16))
 
 
+def _index_case(seed, tokens=11, top_k=5, experts=10, num_rows=40, hidden=H):
+    """Random rows [R, H], routing with dropped slots, and a row index with -1 and out-of-range
+    entries; rows no kept slot points at are NaN (the finalize must never read them)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, experts, (tokens, top_k)).astype(np.int32)
+    ids[0, 0], ids[1, 2], ids[2, 4] = -1, experts, 77  # dropped by the routing rule
+    wts = rng.uniform(-1, 1, (tokens, top_k)).astype(np.float32)
+    index = rng.integers(0, num_rows, (tokens, top_k)).astype(np.int32)  # rows may be shared
+    index[3, 1], index[4, 0], index[5, 3] = -1, num_rows, -7  # dropped by the index
+    rows = qt.ref.round_bf16(rng.standard_normal((num_rows, hidden)).astype(np.float32) * 3)
+    kept = (ids >= 2) & (ids < 8) & (index >= 0) & (index < num_rows)  # local range [2, 8) below
+    referenced = np.zeros(num_rows, bool)
+    referenced[index[kept]] = True
+    rows[~referenced] = np.nan
+    assert kept.any() and not kept.all() and referenced.any() and not referenced.all()
+    return rows, ids, wts, index, kept
+
+
+@pytest.mark.parametrize("output_dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("flat", [True, False])
+def test_finalize_with_row_index_equals_finalize_of_gathered_rows(output_dtype, flat):
+    """moe_finalize(rows, row_index=i) == moe_finalize(rows[i]) bit for bit; a slot whose index is
+    outside [0, R) is dropped like an invalid id (ids set to -1 on the gathered side)."""
+    rows, ids, wts, index, kept = _index_case(seed=5)
+    kw = dict(num_experts=10, num_local_experts=6, local_expert_offset=2, routed_scaling_factor=1.75,
+              output_dtype=output_dtype)
+    in_range = (index >= 0) & (index < rows.shape[0])
+    gathered = np.full((ids.size, H), np.nan, qt.ref.BF16)
+    gathered[in_range.reshape(-1)] = rows[index[in_range]]
+    want = ops.moe_finalize(gathered, np.where(in_range, ids, -1).astype(np.int32), wts, **kw)
+    out = qt.poison(want.shape, want.dtype)
+    got = ops.moe_finalize(rows, ids, wts, **kw, out=out, row_index=index.reshape(-1) if flat else index)
+    assert got is out
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert not np.isnan(np.asarray(got, np.float32)).any(), "a row no kept slot points at was read"
+    assert np.abs(np.asarray(got, np.float32)).sum() > 0
+    # Every index in range: the gathered side needs no id change.
+    index_all = np.where(in_range, index, 0).astype(np.int32)
+    rows_all = (np.nan_to_num(np.asarray(rows, np.float32)) + 0.5).astype(qt.ref.BF16)
+    np.testing.assert_array_equal(_bits(ops.moe_finalize(rows_all, ids, wts, **kw, row_index=index_all)),
+                                  _bits(ops.moe_finalize(rows_all[index_all.reshape(-1)], ids, wts, **kw)))
+
+
+def test_finalize_with_row_index_and_no_rows():
+    """R = 0 (a rank that got no row back): every slot is dropped, the output is written as zeros."""
+    _, ids, wts, _, _ = _index_case(seed=6)
+    out = qt.poison((ids.shape[0], H), qt.ref.BF16)
+    got = ops.moe_finalize(np.empty((0, H), qt.ref.BF16), ids, wts, num_experts=10, out=out,
+                           row_index=np.full(ids.shape, -1, np.int32))
+    assert not qt.poisoned_mask(got).any()
+    np.testing.assert_array_equal(np.asarray(got, np.float32), 0.0)
+
+
+def test_finalize_row_index_errors_name_the_argument():
+    rows, ids, wts, index, _ = _index_case(seed=7)
+    kw = dict(num_experts=10)
+    with pytest.raises(TypeError, match="'row_index'"):
+        ops.moe_finalize(rows, ids, wts, **kw, row_index=index.astype(np.int64))
+    with pytest.raises(ValueError, match="'row_index'"):
+        ops.moe_finalize(rows, ids, wts, **kw, row_index=index[:-1])
+    with pytest.raises(ValueError, match="'row_index'"):
+        ops.moe_finalize(rows, ids, wts, **kw, row_index=index.reshape(-1)[:-1])
+    with pytest.raises(ValueError, match="'row_index'"):
+        ops.moe_finalize(rows, ids, wts, **kw, row_index=index.T)  # [k, T]: neither accepted shape
+    with pytest.raises(ValueError, match="'row_index'"):
+        ops.moe_finalize(rows, ids, wts, **kw, row_index=np.asfortranarray(index))  # not contiguous
+    out = qt.poison((ids.shape[0], H), qt.ref.BF16)
+    with pytest.raises(ValueError, match="'row_index'"):
+        ops.moe_finalize(rows, ids, wts, **kw, row_index=index[:, :-1], out=out)
+    assert qt.poisoned_mask(out).all(), "the output was written although validation failed"
+
+
 def test_moe_expert_rows_error_names_rows():
     ids, wts = _routing(3, 2, 4, seed=1)
     case = _case("w4a8_int4", ids, wts, num_experts=4)
@@ -188,6 +260,23 @@ def test_array_plan_matches_the_cpp_plan(world):
         flat = recv_ids.reshape(-1).astype(np.int64)
         owned = (flat >= owner * per) & (flat < (owner + 1) * per)
         assert np.flatnonzero(owned).tolist() == list(want)
+    # Home side: where each slot's row sits in the combine's receive buffer (the finalize's row_index).
+    valid = ((ids >= 0) & (ids < num_experts)).reshape(-1)
+    index = routing.throughput_row_index(xp)
+    assert index.dtype == np.int32 and index.shape == (23 * top_k,)
+    want_index = np.full(23 * top_k, -1, np.int32)
+    want_index[np.asarray(plan["return_slots"], np.int64)] = np.arange(len(plan["return_slots"]))
+    np.testing.assert_array_equal(index, want_index)
+    assert (index[valid] >= 0).all() and (index[~valid] == -1).all()
+    index_ll = routing.low_latency_row_index(xp, capacity)
+    want_ll = np.full(23 * top_k, -1, np.int32)
+    for d in range(world):
+        mine = plan["send_tokens"][plan["send_offsets"][d]:plan["send_offsets"][d + 1]]
+        for position, t in enumerate(mine):
+            for j in range(top_k):
+                if valid[t * top_k + j] and ids[t, j] // (num_experts // world) == d:
+                    want_ll[t * top_k + j] = (d * capacity + position) * top_k + j
+    np.testing.assert_array_equal(index_ll, want_ll)
 
 
 def _torch_or_skip():

@@ -199,7 +199,12 @@ def test_det_fused_finalize_spread(mode, capsys):
             f"{spread.numel()} max_abs_diff={worst:.3e} max_rel_diff={worst / scale:.3e} "
             f"rel_rms_vs_deterministic={testing.rel_rms(to_np(outs[0]), to_np(det)):.3e}")
     report(capsys, line)
-    assert worst <= testing.TOLERANCES[mode] * scale, line
+    # The adds of the top_k bf16 terms into the bf16 output round in arrival order: two orders differ
+    # by at most top_k roundings, each half an ULP of a partial sum; partial sums stay below 4x the
+    # largest output here, so the bound is top_k ULPs of bf16 at 4 * scale.
+    top_k = dev["topk_ids"].shape[1]
+    ulp = 2.0 ** (np.floor(np.log2(4 * scale)) - 7)
+    assert worst <= top_k * ulp, line
 
 
 def test_det_gemm_and_mm_data_runs_and_streams():

@@ -9,7 +9,8 @@ T tokens per rank, uniform top-k routing, static a1 / a2, deterministic finalize
            each sample starts on both ranks together (gloo barrier); the time is the slower rank's
            median. ratios: throughput / single eager, low latency / single graph (target <= 1.25: the
            same work per GPU plus the exchange).
-  split    prep (quantize + pack + plan) / dispatch / compute (moe_expert_rows) / combine / finalize
+  split    prep (plan + count exchange + quantize + pack) / dispatch / compute (moe_expert_rows) /
+           combine / finalize (through row_index, no gather)
            of an eager throughput forward, CUDA events at the phase marks (ExpertParallelMoE.forward's
            timeline), medians, slower rank;
   link     bytes each rank sends to the other rank in dispatch and combine (packed rows: e4m3 x, a1,

@@ -92,6 +92,8 @@ def cute_dsl_fused_moe(x, x_sf, token_selected_experts, token_final_scales, w1_w
                        swiglu_limit=FLT_MAX, situ_beta=None, situ_linear_beta=None, *, quant_mode="w4a4",
                        per_token_scale=None, tactic=None, workspace=None):
     """FlashInfer's seed signature. Returns the [num_tokens, hidden] output (moe_output if given).
+    use_fused_finalize=True: output zeroed (on aux_stream when given: a torch.cuda.Stream or raw
+    handle, forked from and joined back into the current stream), GEMM2 scatter-adds into it.
     workspace (qmoe extension): pre-allocated scratch (qmoe.fused_moe's `workspace`)."""
     mode = _quant_mode(quant_mode)
     activation = _activation(activation_type, situ_beta, situ_linear_beta)
@@ -113,11 +115,14 @@ def cute_dsl_fused_moe(x, x_sf, token_selected_experts, token_final_scales, w1_w
            if activation == "swiglu" else {}),
         situ_beta=1.0 if situ_beta is None else situ_beta, situ_linear_beta=situ_linear_beta,
         gate_up_layout=layout, deterministic=not use_fused_finalize, output_dtype=output_dtype, out=moe_output,
-        tactic=None if tactic is None else str(tactic), workspace=workspace, enable_pdl=bool(enable_pdl))
+        tactic=None if tactic is None else str(tactic), workspace=workspace, enable_pdl=bool(enable_pdl),
+        aux_stream=aux_stream if use_fused_finalize else None)
 
 
 class CuteDslMoEWrapper:
-    """FlashInfer's wrapper: holds the layer configuration; run() executes one forward."""
+    """FlashInfer's wrapper: holds the layer configuration; run() executes one forward. On CUDA it
+    keeps a private side stream for the fused finalize's output memset (created with the buffers
+    when use_cuda_graph=True, else at the first run), as FlashInfer's wrapper does."""
 
     def __init__(self, num_experts, top_k, hidden_size, intermediate_size, use_cuda_graph=False,
                  max_num_tokens=None, num_local_experts=None, local_expert_offset=0, tile_size=128,
@@ -140,7 +145,7 @@ class CuteDslMoEWrapper:
         # use_cuda_graph: scratch and output for max_num_tokens allocated once, here, so that run()
         # allocates nothing and graphs captured for several token counts share the same buffers
         # (replays see new routing and inputs written in place).
-        self._workspace = self._output = None
+        self._workspace = self._output = self._aux_stream = None
         if self.use_cuda_graph and str(device).startswith("cuda"):
             if not max_num_tokens or int(max_num_tokens) < 1:
                 raise ValueError("qmoe: argument 'max_num_tokens': expected a positive token count with "
@@ -155,6 +160,9 @@ class CuteDslMoEWrapper:
             out_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
                 str(output_dtype).replace("torch.", ""), output_dtype)
             self._output = torch.empty((int(max_num_tokens), self.hidden_size), dtype=out_dtype, device=device)
+            # As FlashInfer's wrapper: a private side stream for the fused finalize's output memset,
+            # created here, outside any capture (the fork/join through events is captured with run()).
+            self._aux_stream = torch.cuda.Stream(device=self._output.device)
         self._config = dict(activation_type=activation_type, swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta,
                             swiglu_limit=swiglu_limit, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                             use_fused_finalize=use_fused_finalize)
@@ -182,11 +190,16 @@ class CuteDslMoEWrapper:
                                  f"{self._output.shape[0]} tokens (use_cuda_graph=True), got {tokens}")
             if moe_output is None:
                 moe_output = self._output[:tokens]
+        if self._aux_stream is None and is_torch(x) and x.is_cuda:  # eager mode: created at the first run
+            import torch
+
+            self._aux_stream = torch.cuda.Stream(device=x.device)
+        aux = self._aux_stream if is_torch(x) and x.is_cuda and self._aux_stream.device == x.device else None
         return cute_dsl_fused_moe(
             x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha, fc2_input_scale,
             w2_weight, w2_weight_sf, w2_alpha, self.num_experts, self.top_k,
             num_local_experts=self.num_local_experts, local_expert_offset=self.local_expert_offset,
-            output_dtype=self.output_dtype, moe_output=moe_output, enable_pdl=self.enable_pdl,
+            output_dtype=self.output_dtype, moe_output=moe_output, aux_stream=aux, enable_pdl=self.enable_pdl,
             quant_mode=self.quant_mode, per_token_scale=per_token_scale,
             tactic=None if tactic in (None, "reference") else tactic, workspace=self._workspace, **self._config)
 

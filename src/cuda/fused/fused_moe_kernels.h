@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/grouped_gemm_epilogue.cuh"  // RowScatterAdd
 #include "qmoe/fused_moe.h"
 
 namespace qmoe::cuda::fused {
@@ -114,8 +115,25 @@ struct RoutingBuffers {
 RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& buffers, int64_t hidden, int64_t inter,
                                cudaStream_t stream);
 // finalize(y) into p.output, or (slot_rows != nullptr, moe_expert_rows) scatter_slot_rows.
+// Not called when GEMM2 scattered (fused_finalize_scatter(...).out != nullptr): nothing is left to do.
 void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* output_permutation, int64_t hidden,
                  void* slot_rows, cudaStream_t stream);
+
+// The fused finalize as GEMM2's epilogue (DESIGN.md 5.2, use_fused_finalize): for fused_moe
+// (slot_rows == nullptr) with p.deterministic == false, the RowScatterAdd that makes GEMM2 add
+// bf16(rsf * w[s] * v) into p.output[s / topk] (row_slot = input_permutation); otherwise (the
+// deterministic finalize, moe_expert_rows, or an output not 4-byte aligned, which the paired 16-bit
+// atomics need) an empty one: GEMM2 writes y and finish_rows runs. Launches nothing.
+RowScatterAdd fused_finalize_scatter(const FusedMoeParams& p, const int32_t* input_permutation, const void* slot_rows);
+// Zeroing of p.output for the scatter, [T, H] contiguous (cudaMemsetAsync). p.aux_stream == nullptr:
+// on `stream` now (zero_output_join does nothing). Otherwise fork/join: an event recorded on `stream`,
+// aux_stream waits for it and runs the memset, and zero_output_join makes `stream` wait for the memset
+// (call it before GEMM2), so the memset overlaps the kernels in between. The two events are created
+// once per thread and device (cudaEventDisableTiming) and reused: no allocation per call, and event
+// fork/join is legal inside a stream capture (the aux stream joins the capture). Call under the
+// pipeline's DeviceGuard.
+void zero_output_fork(const FusedMoeParams& p, cudaStream_t stream);
+void zero_output_join(const FusedMoeParams& p, cudaStream_t stream);
 
 // moe_expert_rows on the GPU (implemented in moe_finalize.cu): for every flat slot s with
 // output_permutation[s] = r >= 0: slot_rows[s, :] = y[r, :] (bf16 copy); other slots untouched.

@@ -9,7 +9,10 @@
 //   fused::scatter_slot_rows   (moe_expert_rows) is the copy slot_rows[s] = y[output_permutation[s]]
 //   cuda::moe_finalize         (moe_finalize) row_s = rows[s] when the routing rule keeps the slot:
 //                              0 <= e < num_experts and e - local_expert_offset in [0, num_local),
-//                              e = topk_ids[s]; rows of other slots are never read.
+//                              e = topk_ids[s]; rows of other slots are never read. With a row
+//                              index: row_s = rows[row_index[s]] when the rule keeps the slot and
+//                              0 <= row_index[s] < R (expert parallelism's received rows, read in
+//                              place instead of gathered into slot order first).
 // So moe_finalize(moe_expert_rows(p)) runs the same arithmetic on the same bf16 values as
 // fused_moe(p, deterministic) and the two are bit-identical; both equal the CPU reference
 // (src/reference/fused_moe.cpp finalize_deterministic), whose loop is `o += w * row` in fp32 without
@@ -25,10 +28,12 @@
 // reads its token's k permutation entries and weights itself and issues the loads of up to 8 slots'
 // rows together before summing them in slot order. Limits: top_k <= 16 (kMaxTopK).
 //
-// NOTE: the "fused" mode is a per-token gather with the reference's fused rounding order, so it
-// is deterministic too. Its products use GEMM2's bf16 row where the reference uses the fp32 y
-// (one extra bf16 rounding, inside the tolerance). A true atomic scatter-add from GEMM2's
-// epilogue (no y buffer, no extra pass) is a later optimisation.
+// NOTE: fused_moe's fused finalize (deterministic == false) normally does not run here: GEMM2's
+// epilogue scatter-adds into the zeroed output atomically (src/cuda/gemm/grouped_gemm_epilogue.cuh,
+// moe_pipeline_steps.cu fused_finalize_scatter). This kernel's "fused" mode is the fallback for an
+// output that is not 4-byte aligned (the paired 16-bit atomics need it): a per-token gather with
+// the reference's fused rounding order, deterministic, whose products use GEMM2's bf16 row where the
+// reference uses the fp32 y (one extra bf16 rounding, inside the tolerance).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -117,6 +122,19 @@ struct SlotRows {
     const int64_t l = e - local_expert_offset;
     const bool kept = e >= 0 && e < num_experts && l >= 0 && l < num_local;
     return kept ? rows + s * hidden : nullptr;
+  }
+};
+
+// moe_finalize with a row index: the row of slot s is rows[row_index[s]] when the routing rule keeps
+// the slot and the index lies in [0, num_rows) (-1: no row).
+struct IndexedSlotRows {
+  SlotRows rule;  // its rows pointer is the [R, H] buffer
+  const int32_t* row_index;
+  int64_t num_rows;
+  __device__ __forceinline__ const uint16_t* row(int64_t s, int64_t hidden) const {
+    if (rule.row(s, hidden) == nullptr) return nullptr;  // only the routing rule: no row is read
+    const int64_t r = row_index[s];
+    return r >= 0 && r < num_rows ? rule.rows + r * hidden : nullptr;
   }
 };
 
@@ -280,6 +298,13 @@ void moe_finalize(const MoeFinalizeParams& p, cudaStream_t stream) {
   const int64_t local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
   const fused::SlotRows source{p.rows.ptr<const uint16_t>(), p.topk_ids.ptr<const int32_t>(), p.num_experts,
                                p.local_expert_offset, local};
+  if (p.row_index) {
+    const fused::IndexedSlotRows indexed{source, p.row_index->ptr<const int32_t>(), p.rows.size(0)};
+    fused::launch_any(indexed, fused::aligned16(p.rows.data), p.topk_weights.ptr<const float>(), tokens,
+                      static_cast<int>(topk), hidden, p.routed_scaling_factor, /*deterministic=*/true,
+                      p.output.dtype, p.output.data, stream);
+    return;
+  }
   fused::launch_any(source, fused::aligned16(p.rows.data), p.topk_weights.ptr<const float>(), tokens,
                     static_cast<int>(topk), hidden, p.routed_scaling_factor, /*deterministic=*/true, p.output.dtype,
                     p.output.data, stream);

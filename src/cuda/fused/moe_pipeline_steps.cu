@@ -2,7 +2,14 @@
 //   first: local expert ids of every slot, then the routing metadata over the local experts
 //          (qmoe::cuda::moe_mm_data: offsets, problem sizes, permutations), all into the workspace;
 //   last:  back to token order (the finalize into p.output), or for moe_expert_rows the GEMM2 rows
-//          scattered to flat slot order without combining.
+//          scattered to flat slot order without combining;
+//   and the fused finalize's pieces: the RowScatterAdd GEMM2's epilogue runs with, and the zeroing of
+//          the output before it (cudaMemsetAsync, forked onto aux_stream when given).
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/launch.h"
 
@@ -34,6 +41,73 @@ void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* outp
   }
   finalize(y, output_permutation, p.topk_weights.ptr<const float>(), tokens, static_cast<int>(topk), hidden,
            p.routed_scaling_factor, p.deterministic, p.output.dtype, p.output.data, stream);
+}
+
+RowScatterAdd fused_finalize_scatter(const FusedMoeParams& p, const int32_t* input_permutation,
+                                     const void* slot_rows) {
+  RowScatterAdd sc;
+  if (slot_rows != nullptr || p.deterministic) return sc;
+  // Paired bf16 / f16 atomics are 32-bit: a 2-byte-aligned view (an odd storage offset) keeps the
+  // finalize kernel, which needs no alignment (same arithmetic, in slot order).
+  if (reinterpret_cast<uintptr_t>(p.output.data) % 4 != 0) return sc;
+  sc.out = p.output.data;
+  sc.out_dtype = p.output.dtype == DType::kFloat32   ? ScatterOut::kFloat32
+                 : p.output.dtype == DType::kFloat16 ? ScatterOut::kFloat16
+                                                      : ScatterOut::kBFloat16;
+  sc.row_slot = input_permutation;
+  sc.topk_weights = p.topk_weights.ptr<const float>();
+  sc.topk = static_cast<int>(p.topk_ids.size(1));
+  sc.routed_scaling_factor = p.routed_scaling_factor;
+  sc.cols = p.output.size(1);
+  return sc;
+}
+
+namespace {
+
+// The fork and join events of this thread on one device, created on first use and kept for the
+// thread's lifetime (an event belongs to the device that was current when it was created).
+struct ForkJoinEvents {
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+
+ForkJoinEvents& thread_events(int device) {
+  struct PerThread {
+    std::vector<ForkJoinEvents> by_device;
+    ~PerThread() {  // errors ignored: at process exit the runtime may already be unloading
+      for (const ForkJoinEvents& e : by_device) {
+        if (e.fork != nullptr) cudaEventDestroy(e.fork);
+        if (e.join != nullptr) cudaEventDestroy(e.join);
+      }
+    }
+  };
+  static thread_local PerThread events;
+  if (static_cast<int>(events.by_device.size()) <= device) events.by_device.resize(device + 1);
+  ForkJoinEvents& e = events.by_device[device];
+  if (e.fork == nullptr)
+    check_cuda(cudaEventCreateWithFlags(&e.fork, cudaEventDisableTiming), "cudaEventCreate(fused_moe fork)");
+  if (e.join == nullptr)
+    check_cuda(cudaEventCreateWithFlags(&e.join, cudaEventDisableTiming), "cudaEventCreate(fused_moe join)");
+  return e;
+}
+
+}  // namespace
+
+void zero_output_fork(const FusedMoeParams& p, cudaStream_t stream) {
+  const size_t bytes = static_cast<size_t>(p.output.numel()) * dtype_size(p.output.dtype);  // contiguous [T, H]
+  if (p.aux_stream == nullptr) {
+    check_cuda(cudaMemsetAsync(p.output.data, 0, bytes, stream), "cudaMemsetAsync(fused_moe output)");
+    return;
+  }
+  const ForkJoinEvents& e = thread_events(p.x.device_index);
+  check_cuda(cudaEventRecord(e.fork, stream), "cudaEventRecord(fused_moe fork)");
+  check_cuda(cudaStreamWaitEvent(p.aux_stream, e.fork, 0), "cudaStreamWaitEvent(aux_stream)");
+  check_cuda(cudaMemsetAsync(p.output.data, 0, bytes, p.aux_stream), "cudaMemsetAsync(fused_moe output, aux_stream)");
+  check_cuda(cudaEventRecord(e.join, p.aux_stream), "cudaEventRecord(fused_moe join)");
+}
+
+void zero_output_join(const FusedMoeParams& p, cudaStream_t stream) {
+  if (p.aux_stream == nullptr) return;
+  check_cuda(cudaStreamWaitEvent(stream, thread_events(p.x.device_index).join, 0), "cudaStreamWaitEvent(stream)");
 }
 
 }  // namespace qmoe::cuda::fused

@@ -16,13 +16,16 @@
 //   6. GEMM2          y[r] = bf16(s2[r] * W2[e] . A2[r])                          gemm/sm90_grouped_gemm_bf16_w4
 //   7. finalize       out[t] = combine of w[t, j] * y[row(t, j)] in slot order    moe_finalize.cu
 //                     (or, for moe_expert_rows, slot_rows[s] = y[row(s)])
+// Fused finalize (deterministic == false, fused_moe): out is zeroed first (on aux_stream when given,
+// joined back before GEMM2) and GEMM2's epilogue adds bf16(rsf * w[s] * s2[r] * acc) into out[t]
+// atomically (gemm/grouped_gemm_epilogue.cuh): no y write, no step 7.
 //
 // Weights: int4-g128 (w4a16_int4, SGLang's stored scale layout), NVFP4 (w4a4, w4a16: e4m3 scales,
 // 128x4 swizzle) or MXFP4 (w4a8: ue8m0 scales, 128x4 swizzle), passed to the GEMM exactly as the
 // fused API receives them. Scales as in the reference (src/reference/fused_moe.cpp): GEMM1
 // h = acc * (w1_alpha * s1(t)); GEMM2 y = (s2 * w2_alpha) * acc. The GEMM's fp32 accumulation
 // replaces the reference's fp64 dot products (the tolerance of DESIGN.md 7 covers it).
-// Nothing is zeroed: every workspace element a kernel reads was written earlier in the same call
+// No workspace byte is zeroed: every workspace element a kernel reads was written earlier in the same call
 // (per-row kernels stop at expert_offsets[E_l], read on the device; the GEMMs read only rows inside
 // their expert's block). y reuses a1's bytes (a1 is dead once GEMM1 has run on this stream).
 // Limits (checked by the caller before anything runs): E_l <= 1024; H % 32 == 0 and I % 32 == 0
@@ -105,6 +108,10 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   float* s2 = reinterpret_cast<float*>(at(layout.s2));
   uint16_t* y = reinterpret_cast<uint16_t*>(at(layout.y));  // == a1 (fused_moe_workspace.h)
 
+  // The fused finalize: GEMM2 adds into the zeroed output (memset forked onto aux_stream, if any).
+  const RowScatterAdd scatter = fused::fused_finalize_scatter(p, in_perm, slot_rows);
+  if (scatter.out != nullptr) fused::zero_output_fork(p, stream);
+
   // 1-2. Routing over the local experts (as the w4a8_int4 pipeline).
   const fused::RowRouting routing = fused::route_local_experts(
       p, fused::RoutingBuffers{local_ids, offsets, sizes1, sizes2, in_perm, out_perm}, hidden, inter, stream);
@@ -118,7 +125,8 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   // blocks come from the routing buffers on the device.
   const W4Format format = weight_format(mode);
   auto grouped_gemm = [&](void* d, bool d_fp32, int64_t n, const uint16_t* a, int64_t k, const TensorRef& w,
-                          const TensorRef& w_scale, const float* s, const int32_t* sizes, const Tactic& tactic) {
+                          const TensorRef& w_scale, const float* s, const int32_t* sizes, const Tactic& tactic,
+                          const RowScatterAdd& sc) {
     Bf16W4GemmArgs g;
     g.a = a;
     g.b = w.ptr<const uint8_t>();
@@ -133,11 +141,12 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
     g.n = static_cast<int>(n);
     g.k = static_cast<int>(k);
     g.max_rows = slots;
+    g.scatter = sc;
     bf16_w4_moe_mm(g, tactic, stream);
   };
 
   // 4. GEMM1 into fp32 h.
-  grouped_gemm(h, true, rows1, a1, hidden, p.w1, p.w1_scale, s1, sizes1, gemm1_tactic);
+  grouped_gemm(h, true, rows1, a1, hidden, p.w1, p.w1_scale, s1, sizes1, gemm1_tactic, RowScatterAdd{});
 
   // 5. Activation and the bf16 intermediate.
   const fused::ActivationArgs act{p.activation,  p.gate_up_layout, p.swiglu_alpha,
@@ -146,11 +155,13 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   fused::activation_requant_bf16(routing, h, rows1, inter, act, requant_of(p), optional_f32(p.fc2_input_scale),
                                  optional_f32(p.w2_alpha), a2, s2, stream);
 
-  // 6. GEMM2 into bf16 rows (over a1's bytes: GEMM1 has run).
-  grouped_gemm(y, false, hidden, a2, inter, p.w2, p.w2_scale, s2, sizes2, gemm2_tactic);
+  // 6. GEMM2 into bf16 rows (over a1's bytes: GEMM1 has run), or (fused finalize) added into the
+  // zeroed output.
+  if (scatter.out != nullptr) fused::zero_output_join(p, stream);
+  grouped_gemm(y, false, hidden, a2, inter, p.w2, p.w2_scale, s2, sizes2, gemm2_tactic, scatter);
 
   // 7. Back to token order (or, for moe_expert_rows, to flat slot order without combining).
-  fused::finish_rows(p, y, out_perm, hidden, slot_rows, stream);
+  if (scatter.out == nullptr) fused::finish_rows(p, y, out_perm, hidden, slot_rows, stream);
 }
 
 }  // namespace qmoe::cuda

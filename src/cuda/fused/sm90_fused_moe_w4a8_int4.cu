@@ -13,10 +13,13 @@
 //   7. act + requant  A2[r] = e4m3(act(h[r]) / a2), s2[r] = a2 * w2_alpha[e]     moe_activation_requant.cu
 //   8. GEMM2          y[r] = bf16(s2[r] * W2[e] . A2[r])                         gemm/sm90_grouped_gemm_w4a8_int4
 //   9. finalize       out[t] = combine of w[t, j] * y[row(t, j)] in slot order   moe_finalize.cu
+// Fused finalize (deterministic == false, fused_moe): out is zeroed first (on aux_stream when given,
+// joined back before GEMM2) and GEMM2's epilogue adds bf16(rsf * w[s] * s2[r] * acc) into out[t]
+// atomically (gemm/grouped_gemm_epilogue.cuh): no y write, no step 9.
 //
-// The only zeroing is the two amax words (cudaMemsetAsync): every other workspace element a kernel
-// reads was written earlier in the same call (per-row kernels stop at expert_offsets[E_l], read on
-// the device; the GEMMs read only rows inside their expert's block).
+// The only workspace zeroing is the two amax words (cudaMemsetAsync): every other workspace element a
+// kernel reads was written earlier in the same call (per-row kernels stop at expert_offsets[E_l], read
+// on the device; the GEMMs read only rows inside their expert's block).
 // Limits: E_l <= 1024 (routing scan, GEMM work list); the GEMMs' 16-byte alignment of weights and
 // scales (checked by the caller before anything runs).
 #include <cuda_runtime.h>
@@ -27,6 +30,7 @@
 #include "cuda/fused/fused_moe_workspace.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/pdl.cuh"
+#include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"  // w4a8_moe_mm with a RowScatterAdd
 #include "cuda/launch.h"
 #include "qmoe/error.h"
 
@@ -77,6 +81,9 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   if (dynamic_a1 || dynamic_a2)
     check_cuda(cudaMemsetAsync(scalars, 0, 4 * FusedMoeWorkspaceLayout::kScalars, stream),
                "cudaMemsetAsync(fused_moe amax)");
+  // The fused finalize: GEMM2 adds into the zeroed output (memset forked onto aux_stream, if any).
+  const RowScatterAdd scatter = fused::fused_finalize_scatter(p, in_perm, slot_rows);
+  if (scatter.out != nullptr) fused::zero_output_fork(p, stream);
 
   // 1-2. Routing over the local experts.
   const fused::RowRouting routing = fused::route_local_experts(
@@ -92,7 +99,8 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   // One grouped GEMM of the pipeline: d [slots, d_cols] = a [slots, a_cols] x w, per-row scale s; the
   // expert blocks come from the routing buffers on the device.
   auto grouped_gemm = [&](void* d, DType d_dtype, int64_t d_cols, void* a, int64_t a_cols, const TensorRef& w,
-                          const TensorRef& w_scale, float* s, int32_t* sizes, const Tactic& tactic) {
+                          const TensorRef& w_scale, float* s, int32_t* sizes, const Tactic& tactic,
+                          const RowScatterAdd& sc) {
     W4A8MoeMmArgs g;
     g.d = device_tensor(d, d_dtype, {slots, d_cols}, device);
     g.a = device_tensor(a, DType::kFloat8E4M3, {slots, a_cols}, device);
@@ -102,11 +110,11 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     g.expert_offsets = device_tensor(offsets, DType::kInt32, {local}, device);
     g.problem_sizes = device_tensor(sizes, DType::kInt32, {local, 3}, device);
     g.topk = topk;
-    w4a8_moe_mm(g, tactic, stream);
+    w4a8_moe_mm(g, tactic, stream, sc);
   };
 
   // 5. GEMM1 into fp32 h.
-  grouped_gemm(h, DType::kFloat32, rows1, a1, hidden, p.w1, p.w1_scale, s1, sizes1, gemm1_tactic);
+  grouped_gemm(h, DType::kFloat32, rows1, a1, hidden, p.w1, p.w1_scale, s1, sizes1, gemm1_tactic, RowScatterAdd{});
 
   // 6-7. Activation and requantization.
   fused::ActivationArgs act{p.activation,  p.gate_up_layout, p.swiglu_alpha,
@@ -117,11 +125,12 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
                             dynamic_a2 ? nullptr : p.fc2_input_scale->ptr<const float>(), amax_act,
                             p.w2_alpha ? p.w2_alpha->ptr<const float>() : nullptr, a2, s2, stream);
 
-  // 8. GEMM2 into bf16 rows.
-  grouped_gemm(y, DType::kBFloat16, hidden, a2, inter, p.w2, p.w2_scale, s2, sizes2, gemm2_tactic);
+  // 8. GEMM2 into bf16 rows, or (fused finalize) added into the zeroed output.
+  if (scatter.out != nullptr) fused::zero_output_join(p, stream);
+  grouped_gemm(y, DType::kBFloat16, hidden, a2, inter, p.w2, p.w2_scale, s2, sizes2, gemm2_tactic, scatter);
 
   // 9. Back to token order (or, for moe_expert_rows, to flat slot order without combining).
-  fused::finish_rows(p, y, out_perm, hidden, slot_rows, stream);
+  if (scatter.out == nullptr) fused::finish_rows(p, y, out_perm, hidden, slot_rows, stream);
 }
 
 }  // namespace qmoe::cuda

@@ -29,6 +29,55 @@ struct RowScatterAdd {
 };
 
 #ifdef __CUDACC__
+// Fire-and-forget global reductions (red.global: no returned value, no generic-address test; a plain
+// atomicAdd on the void* out compiles to generic ATOMs plus a shared-memory CAS branch for fp32).
+// The adds round as atomicAdd's do (bf16 / f16 RNE of the sum, fp32 RN).
+namespace scatter_detail {
+__device__ __forceinline__ void red_add(__nv_bfloat16* p, __nv_bfloat16 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.relaxed.gpu.global.add.noftz.bf16 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)),
+               "h"(__bfloat16_as_ushort(v))
+               : "memory");
+#else
+  atomicAdd(p, v);
+#endif
+}
+__device__ __forceinline__ void red_add(__nv_bfloat162* p, __nv_bfloat162 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.relaxed.gpu.global.add.noftz.bf16x2 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)),
+               "r"(*reinterpret_cast<const uint32_t*>(&v))
+               : "memory");
+#else
+  atomicAdd(p, v);
+#endif
+}
+__device__ __forceinline__ void red_add(__half* p, __half v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.relaxed.gpu.global.add.noftz.f16 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)),
+               "h"(__half_as_ushort(v))
+               : "memory");
+#else
+  atomicAdd(p, v);
+#endif
+}
+__device__ __forceinline__ void red_add(__half2* p, __half2 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.relaxed.gpu.global.add.noftz.f16x2 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)),
+               "r"(*reinterpret_cast<const uint32_t*>(&v))
+               : "memory");
+#else
+  atomicAdd(p, v);
+#endif
+}
+__device__ __forceinline__ void red_add(float* p, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "f"(v) : "memory");
+#else
+  atomicAdd(p, v);
+#endif
+}
+}  // namespace scatter_detail
+
 // The bf16-rounded contribution of (row, value), and where it goes.
 __device__ __forceinline__ float scatter_term(const RowScatterAdd& sc, int64_t row, float v, int64_t* token) {
   const int32_t s = sc.row_slot[row];
@@ -37,35 +86,37 @@ __device__ __forceinline__ float scatter_term(const RowScatterAdd& sc, int64_t r
 }
 
 __device__ __forceinline__ void scatter_add(const RowScatterAdd& sc, int64_t row, int64_t col, float v) {
+  using scatter_detail::red_add;
   int64_t token;
   const float term = scatter_term(sc, row, v, &token);
   const int64_t at = token * sc.cols + col;
   switch (sc.out_dtype) {
-    case ScatterOut::kBFloat16: atomicAdd(static_cast<__nv_bfloat16*>(sc.out) + at, __float2bfloat16_rn(term)); break;
-    case ScatterOut::kFloat16: atomicAdd(static_cast<__half*>(sc.out) + at, __float2half_rn(term)); break;
-    case ScatterOut::kFloat32: atomicAdd(static_cast<float*>(sc.out) + at, term); break;
+    case ScatterOut::kBFloat16: red_add(static_cast<__nv_bfloat16*>(sc.out) + at, __float2bfloat16_rn(term)); break;
+    case ScatterOut::kFloat16: red_add(static_cast<__half*>(sc.out) + at, __float2half_rn(term)); break;
+    case ScatterOut::kFloat32: red_add(static_cast<float*>(sc.out) + at, term); break;
   }
 }
 
-// Two adjacent features (col even, cols even): one 32-bit atomic for 16-bit outputs.
+// Two adjacent features (col even, cols even, out 4-byte aligned): one 32-bit reduction for 16-bit
+// outputs. The term is exact in f16 unless it leaves f16's range (then f16 rounds it, as any sum).
 __device__ __forceinline__ void scatter_add_pair(const RowScatterAdd& sc, int64_t row, int64_t col, float v0, float v1) {
-  int64_t token;
+  using scatter_detail::red_add;
   const int32_t s = sc.row_slot[row];
-  token = s / sc.topk;
+  const int64_t token = s / sc.topk;
   const float f = sc.routed_scaling_factor * sc.topk_weights[s];
   const float t0 = __bfloat162float(__float2bfloat16_rn(f * v0));
   const float t1 = __bfloat162float(__float2bfloat16_rn(f * v1));
   const int64_t at = token * sc.cols + col;
   switch (sc.out_dtype) {
     case ScatterOut::kBFloat16:
-      atomicAdd(reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(sc.out) + at), __floats2bfloat162_rn(t0, t1));
+      red_add(reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(sc.out) + at), __floats2bfloat162_rn(t0, t1));
       break;
     case ScatterOut::kFloat16:
-      atomicAdd(reinterpret_cast<__half2*>(static_cast<__half*>(sc.out) + at), __floats2half2_rn(t0, t1));
+      red_add(reinterpret_cast<__half2*>(static_cast<__half*>(sc.out) + at), __floats2half2_rn(t0, t1));
       break;
     case ScatterOut::kFloat32:
-      atomicAdd(static_cast<float*>(sc.out) + at, t0);
-      atomicAdd(static_cast<float*>(sc.out) + at + 1, t1);
+      red_add(static_cast<float*>(sc.out) + at, t0);
+      red_add(static_cast<float*>(sc.out) + at + 1, t1);
       break;
   }
 }

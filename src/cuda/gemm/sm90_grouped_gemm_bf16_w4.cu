@@ -29,6 +29,9 @@ void bf16_w4_moe_mm(const Bf16W4GemmArgs& args, const Tactic& tactic, cudaStream
                                   {args.b_scales, "b_scales"}, {args.d, "d"}})
     QMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, name, "a 16-byte aligned data pointer",
               "an address that is not 16-byte aligned");
+  if (args.scatter.out != nullptr)  // a pipeline bug, not a user error: GEMM1 (fp32) never scatters
+    QMOE_CHECK_ARG(!args.d_fp32 && reinterpret_cast<uintptr_t>(args.scatter.out) % 4 == 0 && args.n % 2 == 0,
+                   "scatter", "a 4-byte aligned output of a bf16 GEMM", "an fp32 GEMM or a misaligned output");
   if (args.max_rows == 0) return;
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
@@ -48,6 +51,7 @@ void bf16_w4_moe_mm(const Bf16W4GemmArgs& args, const Tactic& tactic, cudaStream
   const int block = args.format == W4Format::kNvfp4 ? 16 : 32;
   p.scale_blocks = int4 ? 0 : args.k / block;
   p.scale_col_chunks = int4 ? 0 : (p.scale_blocks + 3) / 4;
+  p.scatter = args.scatter;
   switch (args.format) {
     case W4Format::kInt4G128:
       bf16w4::launch_format<W4Format::kInt4G128>(p, tactic, args.d_fp32, args.max_rows, device, stream);

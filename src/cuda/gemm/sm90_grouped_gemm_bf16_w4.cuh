@@ -5,7 +5,9 @@
 // over the device-side work list (grouped_tile_list.cuh); a pipeline stage holds GPS K groups of 128
 // (cp.async weights, bf16 activations and scales, 16-byte chunks, XOR swizzled); the load cursor runs
 // STAGES-1 stages ahead across tiles. Rows past an expert's end, features past N and K past K are
-// zero-filled and never stored.
+// zero-filled and never stored. With p.scatter.out set (bf16 kernels: the fused MoE's GEMM2 with the
+// fused finalize), the fp32 value is scatter-added into the token's output row instead of stored
+// (grouped_gemm_epilogue.cuh).
 //
 // K order: thread `tig` (lane % 4) owns K [32 tig, 32 tig + 32) of each group: one 16-byte word of a
 // weight row (4 words of 8 nibbles) and 64 bytes of an activation row. MMA step s (8 per group) uses
@@ -54,6 +56,7 @@ struct Bf16W4Params {
   int scales_packed4;     // int4: SGLang's [E, K/512, 4N] layout
   int scale_col_chunks;   // FP4: Kt = round_up(K / block, 4) / 4 (512-byte chunks per 128-row tile)
   int scale_blocks;       // FP4: K / block (blocks past it read as scale 0)
+  RowScatterAdd scatter;  // out set: the fused finalize instead of d (bf16 kernels only)
 };
 
 using w4a8::cp_async_16;
@@ -425,12 +428,18 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
             const int n = t.n0 + (warp_m * MF + mf) * 16 + h * 8 + (gid & ~1);
             if (token < t.rows && n < p.n) {
               const int row = t.row0 + token;
-              if (p.row_scales != nullptr) {
-                const float rs = p.row_scales[row];
-                w4a8::store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, rs * lo, rs * hi);
-              } else {
-                w4a8::store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, lo, hi);
+              const bool scaled = p.row_scales != nullptr;
+              const float rs = scaled ? p.row_scales[row] : 1.0f;
+              const float out_lo = scaled ? rs * lo : lo, out_hi = scaled ? rs * hi : hi;
+              bool scattered = false;
+              if constexpr (std::is_same<OutT, __nv_bfloat16>::value) {  // GEMM1 (fp32) never scatters
+                if (p.scatter.out != nullptr) {
+                  scatter_add_pair(p.scatter, row, n, out_lo, out_hi);
+                  scattered = true;
+                }
               }
+              if (!scattered)
+                w4a8::store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, out_lo, out_hi);
             }
           }
           acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.f;

@@ -14,12 +14,16 @@
 // s = row_scales[r] (fp32, nullptr = 1). out = fp32 value (d_fp32) or bf16 RNE.
 // Expert e owns rows [expert_offsets[e], + problem_sizes[e][1]), both read on the device.
 // Limits: K % 128 == 0 for int4, K % 32 == 0 for FP4; N % 8 == 0; E <= 1024; 16-byte aligned bases.
+// scatter.out set (d bf16 only; the fused MoE's GEMM2 with the fused finalize): D is not written, the
+// fp32 value v goes to out[slot / topk, n] += bf16(rsf * w[slot] * v) atomically
+// (grouped_gemm_epilogue.cuh; out zeroed by the caller, 4-byte aligned, N even).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "cuda/gemm/grouped_gemm_epilogue.cuh"  // RowScatterAdd
 #include "qmoe/tactics.h"
 
 namespace qmoe::cuda {
@@ -38,6 +42,7 @@ struct Bf16W4GemmArgs {
   const int32_t* problem_sizes = nullptr;  // [E, 3]; [e][1] = rows of expert e (device)
   int num_experts = 0, n = 0, k = 0;
   int64_t max_rows = 0;                    // bound on the rows of all experts (sizes the grid)
+  RowScatterAdd scatter;                   // out set: the fused finalize instead of d (d bf16 only)
 };
 
 // Throws qmoe::Error (kValue) when the tactic is not one of valid_tactics({..., bf16_activations =

@@ -5,6 +5,8 @@
 // out = bf16 rounding when d is bfloat16 (the public op, validated by validate_w4a8_moe_mm), or
 // the fp32 value when d is float32 (only the fused MoE pipeline passes an fp32 d: its GEMM1 output
 // feeds the activation unrounded, DESIGN.md 3b). Each tactic is compiled for both output types.
+// The fused MoE's GEMM2 may pass a RowScatterAdd (grouped_gemm_epilogue.cuh): every tactic then adds
+// its rows into the zeroed output instead of writing d (the fused finalize, DESIGN.md 5.2).
 //
 // Kernel: sm90_grouped_gemm_w4a8_int4.cuh (swap-AB mma.sync e4m3, int4 -> e4m3 in registers,
 // one K group of 128 per pipeline stage, persistent CTAs over a device-side work list).
@@ -59,6 +61,10 @@ void launch(const W4A8GemmParams& params, bool fp32_out, int64_t rows, int devic
 }  // namespace
 
 void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream) {
+  w4a8_moe_mm(args, tactic, stream, RowScatterAdd{});
+}
+
+void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream, const RowScatterAdd& scatter) {
   W4A8GemmParams params;
   params.a = args.a.ptr<const uint8_t>();
   params.b = args.b.ptr<const uint8_t>();
@@ -76,6 +82,10 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   const int64_t rows = args.a.size(0);
   params.a_scales_per_row = args.a_scales.numel() > 1 ? 1 : 0;
   params.scales_packed4 = params.k % 512 == 0 ? 1 : 0;
+  params.scatter = scatter;
+  if (scatter.out != nullptr)  // a pipeline bug, not a user error: GEMM1 (fp32) never scatters
+    QMOE_CHECK_ARG(!fp32_out && reinterpret_cast<uintptr_t>(scatter.out) % 4 == 0 && params.n % 2 == 0, "scatter",
+                   "a 4-byte aligned output of a bf16 GEMM", "an fp32 GEMM or a misaligned output");
   // 16-byte copies need 16-byte aligned bases (row strides are multiples of 16 by the limits).
   for (const auto& [t, name] : {std::pair<const TensorRef*, const char*>{&args.a, "a"}, {&args.b, "b"},
                                 {&args.b_scales, "b_scales"}, {&args.d, "d"}}) {
@@ -125,6 +135,7 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     w.k = params.k;
     w.a_scales_per_row = params.a_scales_per_row;
     w.scales_packed4 = params.scales_packed4;
+    w.scatter = scatter;
     launch_w4a8_wgmma_prefill(w, tactic.tile_n, fp32_out, stream);
   } else {
     throw Error("tactic", "a tactic compiled into this build (see valid_tactics)", tactic.name());

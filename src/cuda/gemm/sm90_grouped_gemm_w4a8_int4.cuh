@@ -5,6 +5,9 @@
 //
 // out = bf16 round-to-nearest-even (OutT = __nv_bfloat16: the public op) or the fp32 value itself
 // (OutT = float: the fused MoE's GEMM1, whose intermediate DESIGN 3b requires in fp32).
+// With p.scatter.out set (bf16 kernels only: the fused MoE's GEMM2 with the fused finalize), D is not
+// written: the fp32 value v = a_scale(r) * acc goes to out[slot / topk, o] += bf16(rsf * w[slot] * v)
+// atomically instead (grouped_gemm_epilogue.cuh), slot = scatter.row_slot[r].
 //
 // with a fresh fp32 partial sum per 128-wide K group (one mma.sync chain), promoted into the fp32
 // accumulator by one FMA with the bf16 group scale, g increasing; a_scale(r) = a_scales[0] or
@@ -43,9 +46,14 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cuda_runtime_api.h>
+
 #include "cuda/common/int4_to_e4m3.cuh"
+#include "cuda/gemm/grouped_gemm_epilogue.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/common/pdl.cuh"
+#include "qmoe/grouped_gemm.h"
+#include "qmoe/tactics.h"
 
 namespace qmoe::cuda {
 
@@ -62,7 +70,12 @@ struct W4A8GemmParams {
   int k;
   int a_scales_per_row;  // 1: a_scales[r], 0: a_scales[0]
   int scales_packed4;    // 1: [E, K/512, 4N], 0: [E, K/128, N]
+  RowScatterAdd scatter; // out set: the fused finalize instead of d (bf16 kernels only)
 };
+
+// The launcher (sm90_grouped_gemm_w4a8_int4.cu) with the fused finalize as the epilogue: d bf16,
+// scatter.out set (or empty: the plain w4a8_moe_mm of cuda/launch.h). Every tactic honours it.
+void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream, const RowScatterAdd& scatter);
 
 namespace w4a8 {
 
@@ -382,7 +395,15 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
             if (token < t.rows && n < p.n) {
               const int row = t.row0 + token;
               const float as = p.a_scales[p.a_scales_per_row ? row : 0];
-              store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, as * lo, as * hi);
+              bool scattered = false;
+              if constexpr (std::is_same<OutT, __nv_bfloat16>::value) {  // GEMM1 (fp32) never scatters
+                if (p.scatter.out != nullptr) {
+                  scatter_add_pair(p.scatter, row, n, as * lo, as * hi);
+                  scattered = true;
+                }
+              }
+              if (!scattered)
+                store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, as * lo, as * hi);
             }
           }
           acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.f;

@@ -10,15 +10,18 @@
 // in e4m3) and fed as the register A operand; the N side holds 128 token rows of activations, read
 // by the tensor cores from shared memory (B operand, K-major, 128-byte swizzle). One pipeline stage
 // is one K group: 16 KB of activations, 8 KB of weights, the tile's scales; cp.async fills STAGES of
-// them ahead, across tile boundaries. A 64-token variant (wgmma m64n64k32) serves experts with
-// fewer rows. A persistent grid walks the (expert, feature tile, token tile)
+// them ahead, across tile boundaries. Two kernels (same math, same bits):
+//   wgmma_ws       128-token tiles: warp-specialized, a loading warpgroup (cp.async, per-stage
+//                  mbarriers) and two computing warpgroups that run out of step, 8 stages;
+//   wgmma_prefill  64-token tiles (wgmma m64n64k32), for experts with fewer rows: all warps load
+//                  and compute in step, two CTAs per SM.
+// A persistent grid walks the (expert, feature tile, token tile)
 // list built in shared memory from the device-side problem sizes, so empty experts cost nothing.
 // Limits (checked by the caller): K % 128 == 0, N % 8 == 0, E <= 1024, 16-byte aligned pointers.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "cuda/common/int4_to_e4m3.cuh"
@@ -266,9 +269,14 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const W
           if (c < t.rows) {
             const int64_t row = t.row0 + c;
             const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
-            OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
-            if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
-            if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
+            if (p.scatter.out != nullptr) {  // the fused finalize (grouped_gemm_epilogue.cuh)
+              if (ok0) scatter_add(p.scatter, row, t.n0 + r0, sc * acc[4 * j + h]);
+              if (ok1) scatter_add(p.scatter, row, t.n0 + r1, sc * acc[4 * j + 2 + h]);
+            } else {
+              OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
+              if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
+              if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
+            }
           }
           acc[4 * j + h] = 0.f;
           acc[4 * j + 2 + h] = 0.f;
@@ -422,15 +430,15 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
 
-  // The A operand (this thread's int4 weights of stage it as e4m3) once the stage has landed.
-  uint32_t a[4][4], next[4][4];
-  auto convert = [&](int it, uint32_t (&out)[4][4]) {
-    const int s = it % kStages;
-    mbar_wait(&full[s], (it / kStages) & 1);
-    // NOTE: the cp.async writes reached this thread through the mbarrier; the tensor cores read the
-    // activations through the async proxy, so make them visible to it too.
+  // Stage `it` has landed: the cp.async writes reached this thread through the mbarrier; the tensor
+  // cores read the activations through the async proxy, so make them visible to it too.
+  auto wait_full = [&](int it) {
+    mbar_wait(&full[it % kStages], (it / kStages) & 1);
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    const uint8_t* sw = stages + s * S::kStageBytes + S::kStageA;
+  };
+  // The A operand: this thread's int4 weights of stage `it` as e4m3.
+  auto convert = [&](int it, uint32_t (&out)[4][4]) {
+    const uint8_t* sw = stages + (it % kStages) * S::kStageBytes + S::kStageA;
     uint4 w0[4], w1[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -448,31 +456,37 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
     }
   };
 
+  uint32_t a[4][4];
   GroupedTile t{0, 0, 0, 0};
-  if (total_iters > 0) convert(0, a);
+  if (total_iters > 0) {
+    wait_full(0);
+    convert(0, a);
+  }
   for (int it = 0; it < total_iters; ++it) {
     const int g = it % groups, s = it % kStages;
     if (g == 0) t = tile_of(it / groups);
     const uint8_t* st = stages + s * S::kStageBytes;
     const uint64_t desc = wgmma_prefill::make_desc_sw128(wgmma_prefill::smem_u32(st));
+    const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
+    const float s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
+    const float s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
     wgmma_prefill::wgmma_fence();
     wgmma_prefill::fence_operands(part);
 #pragma unroll
     for (int k = 0; k < 4; ++k)
       wgmma_prefill::wgmma_k32<TILE_N>(part, a[k][0], a[k][1], a[k][2], a[k][3], desc + 2 * k, k > 0);
     wgmma_prefill::wgmma_commit();
-    // While the tensor cores run: the next stage's weights.
-    if (it + 1 < total_iters) convert(it + 1, next);
-    const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
-    const float s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
-    const float s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
     wgmma_prefill::wgmma_wait_all();
     wgmma_prefill::fence_operands(part);
     mbar_arrive(&empty[s]);  // this thread is done with stage s (weights and scales in registers)
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) a[k][j] = next[k][j];
+    // NOTE: converting the next stage between the wgmmas' issue and their wait (so the tensor cores
+    // and this warpgroup's ALUs overlap) measured 7-10% slower on the H200, and gave wrong results
+    // when the conversion waited on the mbarrier inside that window. The other computing warpgroup
+    // supplies the overlap instead.
+    if (it + 1 < total_iters) {
+      wait_full(it + 1);
+      convert(it + 1, a);
+    }
 #pragma unroll
     for (int j = 0; j < TILE_N / 8; ++j) {
       acc[4 * j + 0] = fmaf(s0, part[4 * j + 0], acc[4 * j + 0]);
@@ -512,15 +526,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
 }  // namespace wgmma_ws
 
 namespace {
-// TEMPORARY (until measured on the H200): QMOE_WGMMA_WS=1 runs the warp-specialized kernel.
-bool use_warp_specialized() {
-  static const bool ws = [] {
-    const char* v = std::getenv("QMOE_WGMMA_WS");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  return ws;
-}
-
 template <class OutT, int TILE_N>
 void launch_ws(const WgmmaGemmParams& params, cudaStream_t stream) {
   constexpr int kSmem = wgmma_ws::Shape<TILE_N>::kSmemBytes;
@@ -532,17 +537,23 @@ void launch_ws(const WgmmaGemmParams& params, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "w4a8 wgmma prefill launch");
 }
 
+// 128-token tiles: the warp-specialized kernel (1.1-1.25x faster on the H200 at DeepSeek-V3,
+// Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_h200_wgmma_ws.md); 64-token tiles
+// keep the two-CTAs-per-SM kernel, which measured 1-5% faster there.
 template <class OutT, int TILE_N>
 void launch_typed(const WgmmaGemmParams& params, cudaStream_t stream) {
-  if (use_warp_specialized()) return launch_ws<OutT, TILE_N>(params, stream);
-  constexpr int kSmem = wgmma_prefill::Shape<TILE_N>::kSmemBytes;
-  constexpr auto kernel = wgmma_prefill::kernel<OutT, TILE_N>;
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  // The 64-token tile needs ~120 registers and 75 KB: two CTAs fit on an SM, and both are used.
-  const int fit = resident_ctas<kernel>(wgmma_prefill::kThreads, kSmem, device, "occupancy of the w4a8 wgmma prefill");
-  launch_kernel(kernel, dim3(fit), dim3(wgmma_prefill::kThreads), kSmem, stream, params);
-  check_cuda(cudaGetLastError(), "w4a8 wgmma prefill launch");
+  if constexpr (TILE_N == 128) {
+    launch_ws<OutT, TILE_N>(params, stream);
+  } else {
+    constexpr int kSmem = wgmma_prefill::Shape<TILE_N>::kSmemBytes;
+    constexpr auto kernel = wgmma_prefill::kernel<OutT, TILE_N>;
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    // The 64-token tile needs ~120 registers and 75 KB: two CTAs fit on an SM, and both are used.
+    const int fit = resident_ctas<kernel>(wgmma_prefill::kThreads, kSmem, device, "occupancy of the w4a8 wgmma prefill");
+    launch_kernel(kernel, dim3(fit), dim3(wgmma_prefill::kThreads), kSmem, stream, params);
+    check_cuda(cudaGetLastError(), "w4a8 wgmma prefill launch");
+  }
 }
 }  // namespace
 

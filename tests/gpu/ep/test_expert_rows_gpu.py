@@ -5,6 +5,9 @@ qmoe.ops.moe_expert_rows (the fused pipeline up to GEMM2, rows per flat slot) an
   - moe_finalize on the GPU == the CPU reference bit for bit: output dtypes bf16 / f16 / f32, the
     vectorized (H % 8 == 0) and scalar (odd H) paths, routed_scaling_factor, invalid / non-local ids;
     rows of slots the routing rule drops are NaN-poisoned and must never be read;
+  - moe_finalize with row_index (rows [R, H] read through slot -> row, -1 / out of range: dropped)
+    == the CPU reference with the same index == the GPU finalize of the gathered rows, bit for bit;
+    rows no kept slot points at are NaN and must never be read; R = 0; capture in a CUDA graph;
   - moe_expert_rows on the GPU: rows of kept slots written, rows of dropped / non-local slots left
     untouched (poisoned), and moe_finalize(moe_expert_rows(p)) == fused_moe(p, deterministic=True)
     bit for bit on the GPU for each pinned GEMM tactic; its rows == the CPU reference within the
@@ -70,6 +73,68 @@ def test_moe_finalize_gpu_equals_cpu_bitwise(out_dtype, hidden):
     assert got.is_cuda and str(got.dtype) == f"torch.{out_dtype}"
     np.testing.assert_array_equal(bits_np(got), np.asarray(want).view(np.int16 if want.itemsize == 2 else np.int32))
     assert np.abs(np.asarray(want, np.float32)).sum() > 0
+
+
+def _index_case(seed, hidden, tokens=41, top_k=8, experts=12, num_rows=150):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, experts, (tokens, top_k)).astype(np.int32)
+    ids[0, 0], ids[1, 2], ids[2, 5] = -1, experts, 99  # dropped by the routing rule
+    wts = rng.uniform(-1, 1, (tokens, top_k)).astype(np.float32)
+    index = rng.integers(0, num_rows, (tokens, top_k)).astype(np.int32)
+    index[3, 1], index[4, 0], index[5, 7] = -1, num_rows, -9  # dropped by the index
+    rows = testing.ref.round_bf16(rng.standard_normal((num_rows, hidden)).astype(np.float32) * 3)
+    kept = (ids >= 2) & (ids < 10) & (index >= 0) & (index < num_rows)
+    referenced = np.zeros(num_rows, bool)
+    referenced[index[kept]] = True
+    rows[~referenced] = np.nan  # a row no kept slot points at must never be read
+    assert kept.any() and not kept.all() and not referenced.all()
+    return rows, ids, wts, index
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("hidden", [256, 100])  # 100: the scalar (unvectorized) path
+def test_moe_finalize_gpu_row_index_equals_gathered_bitwise(out_dtype, hidden):
+    rows, ids, wts, index = _index_case(11, hidden)
+    kw = dict(num_experts=12, num_local_experts=8, local_expert_offset=2, routed_scaling_factor=2.5,
+              output_dtype=out_dtype)
+    want_cpu = ops.moe_finalize(rows, ids, wts, **kw, row_index=index)
+    out = torch.full((ids.shape[0], hidden), float("nan"), dtype=getattr(torch, out_dtype), device=DEV)
+    got = ops.moe_finalize(to_dev(rows), to_dev(ids), to_dev(wts), **kw, out=out, row_index=to_dev(index.reshape(-1)))
+    # The same on the gathered rows (slots dropped by the index get id -1 there).
+    in_range = (index >= 0) & (index < rows.shape[0])
+    gathered = np.full((ids.size, hidden), np.nan, BF16)
+    gathered[in_range.reshape(-1)] = rows[index[in_range]]
+    want_gpu = ops.moe_finalize(to_dev(gathered), to_dev(np.where(in_range, ids, -1).astype(np.int32)), to_dev(wts),
+                                **kw)
+    torch.cuda.synchronize()
+    assert got is out
+    np.testing.assert_array_equal(bits_np(got), bits_np(want_gpu))
+    np.testing.assert_array_equal(bits_np(got), np.asarray(want_cpu).view(np.int16 if want_cpu.itemsize == 2
+                                                                          else np.int32))
+    assert not torch.isnan(got.float()).any() and got.float().abs().sum() > 0
+
+
+def test_moe_finalize_gpu_row_index_no_rows_and_graph():
+    rows, ids, wts, index = _index_case(12, 256)
+    out = torch.full((ids.shape[0], 256), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ops.moe_finalize(torch.empty((0, 256), dtype=torch.bfloat16, device=DEV), to_dev(ids), to_dev(wts),
+                     num_experts=12, out=out, row_index=torch.full(ids.shape, -1, dtype=torch.int32, device=DEV))
+    torch.cuda.synchronize()
+    assert (out.float() == 0).all()
+    # Captured, then replayed with a new index written in place.
+    clean = np.nan_to_num(np.asarray(rows, np.float32)).astype(BF16)  # every row may be read after the flip
+    rows_dev, ids_dev, wts_dev, index_dev = to_dev(clean), to_dev(ids), to_dev(wts), to_dev(index)
+    kw = dict(num_experts=12, routed_scaling_factor=1.5)
+    ops.moe_finalize(rows_dev, ids_dev, wts_dev, **kw, out=out, row_index=index_dev)  # warm up, eager
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.moe_finalize(rows_dev, ids_dev, wts_dev, **kw, out=out, row_index=index_dev)
+    flipped = np.ascontiguousarray(np.flip(index, 0))
+    index_dev.copy_(to_dev(flipped))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = ops.moe_finalize(clean, ids, wts, **kw, row_index=flipped)
+    np.testing.assert_array_equal(bits_np(out), np.asarray(want).view(np.int16))
 
 
 def test_moe_finalize_gpu_empty_and_errors():
