@@ -17,7 +17,7 @@
 # Logs: $OUT (or build/sanitize): sanitize_{memcheck,racecheck,synccheck,initcheck,gemm_check}.log.
 # Switches: QMOE_SANITIZE_TOOLS="memcheck racecheck synccheck initcheck gemm_check" (a subset to run);
 #   QMOE_SANITIZE_K_<TOOL>=<pytest -k expression> replaces a selection; QMOE_SANITIZE_LIMIT_<TOOL>=<s>
-#   a time limit (defaults below sum to 290 s; a run past its limit is killed and reported TIMEOUT).
+#   a time limit (defaults below sum to 360 s; a run past its limit is killed and reported TIMEOUT).
 #
 # Options added to gpu_tests.sh's sanitizer command line, through a wrapper put first on PATH (its
 # switch takes no extra options), each only when this compute-sanitizer's --help lists it:
@@ -131,7 +131,7 @@ and not big and not cuda1"
 SEL[racecheck]="test_odd and tiny"
 SEL[synccheck]="test_odd and tiny"
 SEL[initcheck]="test_odd and (tiny or small)"
-LIMIT=([memcheck]=110 [racecheck]=50 [synccheck]=40 [initcheck]=50 [gemm_check]=40)
+LIMIT=([memcheck]=110 [racecheck]=50 [synccheck]=40 [initcheck]=120 [gemm_check]=40)
 
 status=0
 declare -a LINES

@@ -11,6 +11,7 @@
 
 #include "cuda/gemm/grouped_gemm_epilogue.cuh"  // RowScatterAdd
 #include "qmoe/fused_moe.h"
+#include "qmoe/tactics.h"
 
 namespace qmoe::cuda::fused {
 
@@ -122,9 +123,11 @@ void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* outp
 // The fused finalize as GEMM2's epilogue (DESIGN.md 5.2, use_fused_finalize): for fused_moe
 // (slot_rows == nullptr) with p.deterministic == false, the RowScatterAdd that makes GEMM2 add
 // bf16(rsf * w[s] * v) into p.output[s / topk] (row_slot = input_permutation); otherwise (the
-// deterministic finalize, moe_expert_rows, or an output not 4-byte aligned, which the paired 16-bit
-// atomics need) an empty one: GEMM2 writes y and finish_rows runs. Launches nothing.
-RowScatterAdd fused_finalize_scatter(const FusedMoeParams& p, const int32_t* input_permutation, const void* slot_rows);
+// deterministic finalize, moe_expert_rows, a GEMM2 tactic that is not a decode tile (measured
+// slower there), or an output not 4-byte aligned, which the paired 16-bit atomics need) an empty
+// one: GEMM2 writes y and finish_rows runs. Launches nothing.
+RowScatterAdd fused_finalize_scatter(const FusedMoeParams& p, const int32_t* input_permutation, const void* slot_rows,
+                                     const Tactic& gemm2_tactic);
 // Zeroing of p.output for the scatter, [T, H] contiguous (cudaMemsetAsync). p.aux_stream == nullptr:
 // on `stream` now (zero_output_join does nothing). Otherwise fork/join: an event recorded on `stream`,
 // aux_stream waits for it and runs the memset, and zero_output_join makes `stream` wait for the memset

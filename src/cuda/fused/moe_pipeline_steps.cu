@@ -44,9 +44,14 @@ void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* outp
 }
 
 RowScatterAdd fused_finalize_scatter(const FusedMoeParams& p, const int32_t* input_permutation,
-                                     const void* slot_rows) {
+                                     const void* slot_rows, const Tactic& gemm2_tactic) {
   RowScatterAdd sc;
   if (slot_rows != nullptr || p.deterministic) return sc;
+  // Only the decode tiles scatter. Measured on the H200 (bench/results/2026-11-30_s3_nvidia_h200_moe.md):
+  // the WGMMA tiles' epilogue adds single 16-bit values and the layer ran 2.2x slower at DeepSeek-V3
+  // T = 4096 than with y + the finalize kernel; the bf16 x 4-bit prefill tile 4-8% slower. Those take
+  // the finalize kernel's "fused" mode instead (same rounding steps, order fixed).
+  if (gemm2_tactic.family != Tactic::Family::kDecode) return sc;
   // Paired bf16 / f16 atomics are 32-bit: a 2-byte-aligned view (an odd storage offset) keeps the
   // finalize kernel, which needs no alignment (same arithmetic, in slot order).
   if (reinterpret_cast<uintptr_t>(p.output.data) % 4 != 0) return sc;

@@ -82,7 +82,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     check_cuda(cudaMemsetAsync(scalars, 0, 4 * FusedMoeWorkspaceLayout::kScalars, stream),
                "cudaMemsetAsync(fused_moe amax)");
   // The fused finalize: GEMM2 adds into the zeroed output (memset forked onto aux_stream, if any).
-  const RowScatterAdd scatter = fused::fused_finalize_scatter(p, in_perm, slot_rows);
+  const RowScatterAdd scatter = fused::fused_finalize_scatter(p, in_perm, slot_rows, gemm2_tactic);
   if (scatter.out != nullptr) fused::zero_output_fork(p, stream);
 
   // 1-2. Routing over the local experts.

@@ -135,7 +135,8 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     w.k = params.k;
     w.a_scales_per_row = params.a_scales_per_row;
     w.scales_packed4 = params.scales_packed4;
-    w.scatter = scatter;
+    // The pipeline scatters only with decode tiles (moe_pipeline_steps.cu fused_finalize_scatter).
+    QMOE_CHECK_ARG(scatter.out == nullptr, "scatter", "no scatter with a WGMMA tactic", tactic.name());
     launch_w4a8_wgmma_prefill(w, tactic.tile_n, fp32_out, stream);
   } else {
     throw Error("tactic", "a tactic compiled into this build (see valid_tactics)", tactic.name());

@@ -269,14 +269,9 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const W
           if (c < t.rows) {
             const int64_t row = t.row0 + c;
             const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
-            if (p.scatter.out != nullptr) {  // the fused finalize (grouped_gemm_epilogue.cuh)
-              if (ok0) scatter_add(p.scatter, row, t.n0 + r0, sc * acc[4 * j + h]);
-              if (ok1) scatter_add(p.scatter, row, t.n0 + r1, sc * acc[4 * j + 2 + h]);
-            } else {
-              OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
-              if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
-              if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
-            }
+            OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
+            if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
+            if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
           }
           acc[4 * j + h] = 0.f;
           acc[4 * j + 2 + h] = 0.f;
@@ -495,8 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
       acc[4 * j + 3] = fmaf(s1, part[4 * j + 3], acc[4 * j + 3]);
     }
     if (g == groups - 1) {
-      // Epilogue: accumulator (row r, token column 8 j + 2 tig + h) -> D[token, feature], or the
-      // fused finalize's scatter-add (grouped_gemm_epilogue.cuh).
+      // Epilogue: accumulator (row r, token column 8 j + 2 tig + h) -> D[token, feature].
       const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
 #pragma unroll
       for (int j = 0; j < TILE_N / 8; ++j) {
@@ -506,14 +500,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
           if (c < t.rows) {
             const int64_t row = t.row0 + c;
             const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
-            if (p.scatter.out != nullptr) {
-              if (ok0) scatter_add(p.scatter, row, t.n0 + r0, sc * acc[4 * j + h]);
-              if (ok1) scatter_add(p.scatter, row, t.n0 + r1, sc * acc[4 * j + 2 + h]);
-            } else {
-              OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
-              if (ok0) wgmma_prefill::store_out(out + r0, sc * acc[4 * j + h]);
-              if (ok1) wgmma_prefill::store_out(out + r1, sc * acc[4 * j + 2 + h]);
-            }
+            OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
+            if (ok0) wgmma_prefill::store_out(out + r0, sc * acc[4 * j + h]);
+            if (ok1) wgmma_prefill::store_out(out + r1, sc * acc[4 * j + 2 + h]);
           }
           acc[4 * j + h] = 0.f;
           acc[4 * j + 2 + h] = 0.f;

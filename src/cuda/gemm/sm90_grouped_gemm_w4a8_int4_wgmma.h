@@ -7,7 +7,6 @@
 
 #include <cstdint>
 
-#include "cuda/gemm/grouped_gemm_epilogue.cuh"  // RowScatterAdd
 #include "cuda/launch.h"  // check_cuda
 
 namespace qmoe::cuda {
@@ -23,7 +22,6 @@ struct WgmmaGemmParams {
   int num_experts, n, k;
   int a_scales_per_row;           // 1: a_scales[r]; 0: a_scales[0]
   int scales_packed4;             // 1: K % 512 == 0 layout
-  RowScatterAdd scatter;          // out set: the fused finalize instead of d (grouped_gemm_epilogue.cuh)
 };
 
 void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int tile_n, bool fp32_out, cudaStream_t stream);
