@@ -41,6 +41,8 @@ Tactic make(Family family, int tile_m, int tile_n, int tile_k) {
 const std::vector<Tactic>& compiled() {
   static const std::vector<Tactic> list = {
       make(Family::kDecode, 128, 8, 256), make(Family::kDecode, 128, 16, 256), make(Family::kDecode, 64, 32, 512),
+      // 64 weight rows x 8 tokens: twice the CTAs of the n8 tile, for grids that leave SMs idle.
+      make(Family::kDecode, 64, 8, 256),
       make(Family::kPrefill, 128, 64, 256),
       // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
       make(Family::kPrefill, 128, 128, 128),
@@ -80,6 +82,14 @@ bool log_enabled() {
 constexpr int64_t kDecodeN8MaxRows = 4;
 constexpr int64_t kDecodeN16MaxRows = 16;
 constexpr int64_t kWgmmaN64MaxRows = 64;
+// Decode grids smaller than the GPU: with at most kDecodeN8MaxRows rows per expert, at most
+// min(E, total_rows) experts are hit, each with ceil(N / 128) tiles of 128 weight rows. When that
+// bound is below the SM count of an H100/H200 SXM (132), half-height tiles (64 rows) put twice the
+// CTAs to work (Qwen3-30B at T = 1: 8 experts x 12 tiles). The row count is known only on the
+// device, so this is a bound, not the real grid. Measured (H200, bench/results/2026-11-30_s3_*):
+// Qwen3-30B T = 1 GEMM1 17.8 -> 15.6 us, GEMM2 9.4 -> 8.8 us; Mixtral GEMM2 T = 1 unchanged (65.6 ->
+// 64.6 us: its K = 14336 loop, not the grid, is the limit there; split-K is what it needs).
+constexpr int64_t kHopperSms = 132;
 
 std::string Tactic::name() const {
   std::string s = family == Family::kDecode ? "decode" : "prefill";
@@ -110,7 +120,9 @@ Tactic select_tactic(const GemmProblem& problem) {
         : rows_per_expert <= 32             ? make(Family::kDecode, 128, 16, 256)
                                             : make(Family::kPrefill, 128, 64, 128);
   } else if (rows_per_expert <= kDecodeN8MaxRows) {
-    t = make(Family::kDecode, 128, 8, 256);
+    const int64_t hit = rows < experts ? rows : experts;
+    const bool small_grid = rows > 0 && hit * ((problem.n + 127) / 128) < kHopperSms;
+    t = small_grid ? make(Family::kDecode, 64, 8, 256) : make(Family::kDecode, 128, 8, 256);
   } else if (rows_per_expert <= kDecodeN16MaxRows) {
     t = make(Family::kDecode, 128, 16, 256);
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {

@@ -25,10 +25,23 @@ std::string chosen(int64_t rows, int64_t experts = 256) { return qmoe::select_ta
 
 TEST(Tactics, DecodeN8UpToFourRowsPerExpert) {
   EXPECT_EQ(chosen(0), "decode_m128_n8_k256");
-  EXPECT_EQ(chosen(1), "decode_m128_n8_k256");
-  EXPECT_EQ(chosen(8), "decode_m128_n8_k256");  // T=1, topk 8
+  EXPECT_EQ(chosen(8), "decode_m128_n8_k256");  // T=1, topk 8: 8 experts x 32 tiles >= 132 SMs
   EXPECT_EQ(chosen(4 * 256), "decode_m128_n8_k256");
   EXPECT_EQ(qmoe::select_tactic(problem(4 * 256)).family, qmoe::Tactic::Family::kDecode);
+}
+
+TEST(Tactics, HalfHeightDecodeTilesWhenTheGridIsSmallerThanTheGpu) {
+  auto pick = [](int64_t rows, int64_t experts, int64_t n) {
+    return qmoe::select_tactic(problem(rows, experts, n)).name();
+  };
+  EXPECT_EQ(pick(1, 256, 4096), "decode_m64_n8_k256");      // one row: 32 tiles of 128
+  EXPECT_EQ(pick(2, 8, 4096), "decode_m64_n8_k256");        // Mixtral GEMM2, T = 1: 2 x 32 tiles
+  EXPECT_EQ(pick(8, 128, 1536), "decode_m64_n8_k256");      // Qwen3-30B GEMM1, T = 1: 8 x 12 tiles
+  EXPECT_EQ(pick(8, 128, 2048), "decode_m64_n8_k256");      // Qwen3-30B GEMM2: 8 x 16 = 128 < 132
+  EXPECT_EQ(pick(8, 256, 4096), "decode_m128_n8_k256");     // DeepSeek-V3 GEMM1, T = 1: 256 tiles
+  EXPECT_EQ(pick(16, 8, 28672), "decode_m128_n8_k256");     // Mixtral GEMM1, T = 8: 8 x 224 tiles
+  EXPECT_EQ(pick(0, 8, 4096), "decode_m128_n8_k256");       // no rows: nothing runs
+  EXPECT_EQ(pick(40, 8, 4096), "decode_m128_n16_k256");     // 5 rows per expert: the n16 rule first
 }
 
 TEST(Tactics, DecodeN16Boundaries) {
@@ -83,7 +96,7 @@ TEST(Tactics, NoValidTacticOutsideLimits) {
 
 TEST(Tactics, NameRoundTrip) {
   auto valid = qmoe::valid_tactics(problem(8));
-  EXPECT_EQ(valid.size(), 6u);
+  EXPECT_EQ(valid.size(), 7u);
   for (const auto& t : valid) {
     EXPECT_EQ(qmoe::parse_tactic(t.name()), t);
     EXPECT_EQ(qmoe::parse_tactic(t.name()).name(), t.name());

@@ -116,6 +116,8 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     launch<4, 1, 2, 1, 2, 4, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 16, 256)) {
     launch<4, 1, 2, 2, 2, 4, 2>(params, fp32_out, rows, device, stream);
+  } else if (is(Family::kDecode, 64, 8, 256)) {
+    launch<4, 1, 1, 1, 2, 4, 2>(params, fp32_out, rows, device, stream);  // n8 at half height
   } else if (is(Family::kDecode, 64, 32, 512)) {
     launch<4, 1, 1, 4, 4, 3, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kPrefill, 128, 64, 256)) {
