@@ -16,6 +16,7 @@
 # Usage (device machine):  bash scripts/gpu_sanitize.sh        (QMOE_SKIP_BUILD=1: reuse build/device)
 # Logs: $OUT (or build/sanitize): sanitize_{memcheck,racecheck,synccheck,initcheck,gemm_check}.log.
 # Switches: QMOE_SANITIZE_TOOLS="memcheck racecheck synccheck initcheck gemm_check" (a subset to run);
+#   QMOE_SANITIZE_FULL=1 selects every GPU test for each tool (slow: one tool per device call);
 #   QMOE_SANITIZE_K_<TOOL>=<pytest -k expression> replaces a selection; QMOE_SANITIZE_LIMIT_<TOOL>=<s>
 #   a time limit (defaults below sum to 360 s; a run past its limit is killed and reported TIMEOUT).
 #
@@ -132,6 +133,11 @@ SEL[racecheck]="test_odd and tiny"
 SEL[synccheck]="test_odd and tiny"
 SEL[initcheck]="test_odd and (tiny or small)"
 LIMIT=([memcheck]=110 [racecheck]=50 [synccheck]=40 [initcheck]=120 [gemm_check]=40)
+# QMOE_SANITIZE_FULL=1: the whole GPU suite under each tool (issue #6's "every GPU test"), one tool
+# per device call (QMOE_SANITIZE_TOOLS=<tool>), each limited to 570 s unless QMOE_SANITIZE_LIMIT_<TOOL>.
+if [[ "${QMOE_SANITIZE_FULL:-0}" == 1 ]]; then
+  for t in memcheck racecheck synccheck initcheck; do SEL[$t]="not __no_such_test__"; LIMIT[$t]=570; done
+fi
 
 status=0
 declare -a LINES
