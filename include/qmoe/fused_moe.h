@@ -18,10 +18,11 @@
 //   kW4A16Int4 x bf16 [T,H]; weights int4-g128 as kW4A8Int4; bf16 intermediate.
 // topk_ids int32 [T, k] (global expert ids), topk_weights f32 [T, k]; output bf16/f16/f32 [T, H],
 // written (never accumulated into).
-// Finalize (deterministic == false, the default): on the GPU the output is zeroed and GEMM2's
-// epilogue adds every slot's bf16(rsf * w * row) into its token's row atomically (no per-slot buffer,
-// no finalize pass; summation order, hence the last bits, vary run to run). deterministic == true:
-// fixed-order fp32 sum per token, bitwise reproducible (DESIGN.md 3b).
+// Finalize (deterministic == false, the default): on the GPU, when GEMM2 runs a decode tile, the
+// output is zeroed and GEMM2's epilogue adds every slot's bf16(rsf * w * row) into its token's row
+// atomically (no per-slot buffer, no finalize pass; summation order, hence the last bits, vary run
+// to run); with a prefill tile a finalize kernel does the same adds in slot order (measured faster
+// there). deterministic == true: fixed-order fp32 sum per token, bitwise reproducible (DESIGN.md 3b).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -16,9 +16,10 @@
 //   6. GEMM2          y[r] = bf16(s2[r] * W2[e] . A2[r])                          gemm/sm90_grouped_gemm_bf16_w4
 //   7. finalize       out[t] = combine of w[t, j] * y[row(t, j)] in slot order    moe_finalize.cu
 //                     (or, for moe_expert_rows, slot_rows[s] = y[row(s)])
-// Fused finalize (deterministic == false, fused_moe): out is zeroed first (on aux_stream when given,
-// joined back before GEMM2) and GEMM2's epilogue adds bf16(rsf * w[s] * s2[r] * acc) into out[t]
-// atomically (gemm/grouped_gemm_epilogue.cuh): no y write, no step 7.
+// Fused finalize (deterministic == false, fused_moe) when GEMM2 runs a decode tile: out is zeroed
+// first (on aux_stream when given, joined back before GEMM2) and GEMM2's epilogue adds
+// bf16(rsf * w[s] * s2[r] * acc) into out[t] atomically (gemm/grouped_gemm_epilogue.cuh): no y
+// write, no step 7. Prefill tiles keep y and step 7 (its fused rounding order; faster there).
 //
 // Weights: int4-g128 (w4a16_int4, SGLang's stored scale layout), NVFP4 (w4a4, w4a16: e4m3 scales,
 // 128x4 swizzle) or MXFP4 (w4a8: ue8m0 scales, 128x4 swizzle), passed to the GEMM exactly as the

@@ -13,9 +13,10 @@
 //   7. act + requant  A2[r] = e4m3(act(h[r]) / a2), s2[r] = a2 * w2_alpha[e]     moe_activation_requant.cu
 //   8. GEMM2          y[r] = bf16(s2[r] * W2[e] . A2[r])                         gemm/sm90_grouped_gemm_w4a8_int4
 //   9. finalize       out[t] = combine of w[t, j] * y[row(t, j)] in slot order   moe_finalize.cu
-// Fused finalize (deterministic == false, fused_moe): out is zeroed first (on aux_stream when given,
-// joined back before GEMM2) and GEMM2's epilogue adds bf16(rsf * w[s] * s2[r] * acc) into out[t]
-// atomically (gemm/grouped_gemm_epilogue.cuh): no y write, no step 9.
+// Fused finalize (deterministic == false, fused_moe) when GEMM2 runs a decode tile: out is zeroed
+// first (on aux_stream when given, joined back before GEMM2) and GEMM2's epilogue adds
+// bf16(rsf * w[s] * s2[r] * acc) into out[t] atomically (gemm/grouped_gemm_epilogue.cuh): no y
+// write, no step 9. Prefill tiles keep y and step 9 (its fused rounding order; faster there).
 //
 // The only workspace zeroing is the two amax words (cudaMemsetAsync): every other workspace element a
 // kernel reads was written earlier in the same call (per-row kernels stop at expert_offsets[E_l], read
