@@ -6,7 +6,8 @@
 // v is the GEMM2 value of permuted row r, feature n (already times the row's a_scale), so the rows
 // never go through a y buffer and no finalize kernel runs. `out` must be zeroed before the GEMM
 // (the pipeline does it, on aux_stream when given). out == nullptr: the GEMM stores into d as usual.
-// Every kernel's params carry one RowScatterAdd; the launchers leave it empty for plain GEMMs.
+// The mma.sync kernels' params (decode tiles of both grouped GEMMs) carry one RowScatterAdd; the
+// launchers leave it empty for plain GEMMs. Pairs of adjacent features only (scatter_add_pair).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -33,28 +34,10 @@ struct RowScatterAdd {
 // atomicAdd on the void* out compiles to generic ATOMs plus a shared-memory CAS branch for fp32).
 // The adds round as atomicAdd's do (bf16 / f16 RNE of the sum, fp32 RN).
 namespace scatter_detail {
-__device__ __forceinline__ void red_add(__nv_bfloat16* p, __nv_bfloat16 v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.relaxed.gpu.global.add.noftz.bf16 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)),
-               "h"(__bfloat16_as_ushort(v))
-               : "memory");
-#else
-  atomicAdd(p, v);
-#endif
-}
 __device__ __forceinline__ void red_add(__nv_bfloat162* p, __nv_bfloat162 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("red.relaxed.gpu.global.add.noftz.bf16x2 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)),
                "r"(*reinterpret_cast<const uint32_t*>(&v))
-               : "memory");
-#else
-  atomicAdd(p, v);
-#endif
-}
-__device__ __forceinline__ void red_add(__half* p, __half v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.relaxed.gpu.global.add.noftz.f16 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)),
-               "h"(__half_as_ushort(v))
                : "memory");
 #else
   atomicAdd(p, v);
@@ -77,25 +60,6 @@ __device__ __forceinline__ void red_add(float* p, float v) {
 #endif
 }
 }  // namespace scatter_detail
-
-// The bf16-rounded contribution of (row, value), and where it goes.
-__device__ __forceinline__ float scatter_term(const RowScatterAdd& sc, int64_t row, float v, int64_t* token) {
-  const int32_t s = sc.row_slot[row];
-  *token = s / sc.topk;
-  return __bfloat162float(__float2bfloat16_rn(sc.routed_scaling_factor * sc.topk_weights[s] * v));
-}
-
-__device__ __forceinline__ void scatter_add(const RowScatterAdd& sc, int64_t row, int64_t col, float v) {
-  using scatter_detail::red_add;
-  int64_t token;
-  const float term = scatter_term(sc, row, v, &token);
-  const int64_t at = token * sc.cols + col;
-  switch (sc.out_dtype) {
-    case ScatterOut::kBFloat16: red_add(static_cast<__nv_bfloat16*>(sc.out) + at, __float2bfloat16_rn(term)); break;
-    case ScatterOut::kFloat16: red_add(static_cast<__half*>(sc.out) + at, __float2half_rn(term)); break;
-    case ScatterOut::kFloat32: red_add(static_cast<float*>(sc.out) + at, term); break;
-  }
-}
 
 // Two adjacent features (col even, cols even, out 4-byte aligned): one 32-bit reduction for 16-bit
 // outputs. The term is exact in f16 unless it leaves f16's range (then f16 rounds it, as any sum).
