@@ -30,6 +30,19 @@ position (fixed [C*k, H] per peer): no count exchange, no host sync, no data-dep
 whole layer can be captured in a CUDA graph (torch CUDA tensors; NCCL transport). T >
 max_tokens_per_rank is an error, never a silent drop.
 
+Chunks (low-latency mode; docs/expert-parallel.md "Overlap"): forward(chunks=n) splits the rank's
+tokens into n contiguous chunks ([c*T//n, (c+1)*T//n)) after quantizing and packing the WHOLE batch
+(a dynamic a1 stays the full batch's amax). Chunk c's dispatch runs while chunk c-1's experts compute,
+and chunk c-1's combine while chunk c computes: on torch CUDA tensors the exchanges go to a side CUDA
+stream, ordered against the compute stream with events (fork/join, legal in graph capture); elsewhere
+the same schedule runs serially (_Streams). Each chunk's exchanges have fixed per-peer capacity
+ceil(max_tokens_per_rank / n) rows, so the T <= max_tokens_per_rank rule per layer call is enough
+(every chunk holds at most ceil(T / n) tokens). One GEMM tactic serves every chunk: the caller's, or
+the one the owner's heuristic picks for the UNCHUNKED call (W * max_tokens_per_rank received rows),
+so the output is bitwise the chunks=1 output. Each token's slots live in one chunk, and the chunk's
+finalize writes its rows of `out`. Default (chunks=None): 2 when max_tokens_per_rank >= 1024 (a value
+every rank shares, unlike T), else 1; the throughput mode takes chunks=1 only.
+
 The plan is computed with array operations (numpy for CPU arrays, torch for torch tensors: on the
 GPU for CUDA tensors, no copy of the routing to the host); it matches include/qmoe/expert_parallel.h
 (send order: grouped by destination, ascending token; return order: (token, slot) order), which the
@@ -52,6 +65,11 @@ _PAYLOAD = {
     "w4a4": ("x", "x_scale", "per_token_scale"),
 }
 _ROW_ALIGN = 16  # bytes: packed rows stay 16-byte aligned, so every part's copy is aligned too
+# Default chunking of the low-latency mode: 2 chunks from this capacity up (one chunk's exchanges
+# then overlap the other's GEMMs; below it the exchanges are latency-bound and a split only adds
+# launches). The capacity, not T, decides: every rank must run the same number of exchanges.
+_AUTO_CHUNKS_MIN_CAPACITY = 1024
+_AUTO_CHUNKS = 2
 
 
 # ---- array operations on numpy arrays or torch tensors (one code path for both) --------------------
@@ -178,6 +196,81 @@ def _send_index(xp: _Arrays, routing: _Routing, base, total: int):
     return src[:total]
 
 
+class _Streams:
+    """Where the exchanges of a chunked forward run, in the order the caller issues them.
+
+    Overlapped (torch CUDA tensors, a side stream given): exchange(fn) forks the side stream from
+    everything queued on the compute stream so far (so the buffers fn sends are ready), runs fn (one
+    transport call, which enqueues on torch's current stream) with the side stream current, and
+    returns an event recorded after it; wait(event) makes later compute-stream work wait for that
+    exchange only; join() makes the compute stream wait for the whole side stream (before the
+    layer returns, so a CUDA-graph capture ends joined). Every buffer the side stream touches is
+    allocated on the compute stream and kept alive by the caller until after join(): the caching
+    allocator then never hands that memory to new compute-stream work while an exchange still
+    uses it (no record_stream needed).
+    Serial (numpy arrays, torch CPU tensors): fn runs now; wait and join do nothing. The chunked
+    schedule (ExpertParallelMoE._forward_chunked) is the same code either way, so CPU tests run it."""
+
+    def __init__(self, xp: _Arrays, side=None):
+        self.side = side
+        if side is not None:
+            self.torch = xp.torch
+            self.main = xp.torch.cuda.current_stream(side.device)
+
+    def exchange(self, fn):
+        if self.side is None:
+            fn()
+            return None
+        self.side.wait_stream(self.main)
+        with self.torch.cuda.stream(self.side):
+            fn()
+        done = self.torch.cuda.Event()
+        done.record(self.side)
+        return done
+
+    def wait(self, done):
+        if done is not None:
+            self.main.wait_event(done)
+
+    def join(self):
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+
+
+def chunk_bounds(num_tokens: int, chunks: int) -> list:
+    """Token ranges of the chunks: chunk c holds [b[c], b[c+1]), b[c] = c*T // chunks (contiguous,
+    sizes differ by at most one, empty chunks when T < chunks)."""
+    return [c * num_tokens // chunks for c in range(chunks + 1)]
+
+
+def chunk_capacity(max_tokens_per_rank: int, chunks: int) -> int:
+    """Per-peer rows of one chunk's low-latency exchange: ceil(max_tokens_per_rank / chunks). Every
+    chunk of a call with T <= max_tokens_per_rank fits: it holds at most ceil(T / chunks) tokens."""
+    return -(-int(max_tokens_per_rank) // int(chunks))
+
+
+def pinned_tactic(quant_mode: str, activation: str, hidden: int, inter: int, received_tokens: int, top_k: int,
+                  local_experts: int):
+    """The GEMM tactic the owner's heuristic picks for an unchunked moe_expert_rows call on
+    received_tokens rows (include/qmoe/tactics.h select_tactic, per GEMM: GEMM1 N = 2I (I for relu2),
+    K = H; GEMM2 N = H, K = I; rows = tokens * top_k slots over the local experts). One name forces
+    both GEMMs, so it is returned only when the two GEMMs' picks agree; None otherwise (the caller
+    then keeps one chunk: a single name would change one GEMM's tactic)."""
+    from . import ops
+
+    rows1 = inter if activation == "relu2" else 2 * inter
+    bf16 = quant_mode != "w4a8_int4"
+    slots = int(received_tokens) * int(top_k)
+    first = ops.select_tactic(rows1, hidden, slots, local_experts, top_k, bf16)
+    second = ops.select_tactic(hidden, inter, slots, local_experts, top_k, bf16)
+    return first if first == second else None
+
+
+def _engine_takes_tactics(x) -> bool:
+    """Only the GPU engine has tactics (the CPU reference refuses a tactic name)."""
+    return bool(is_torch(x) and x.is_cuda)
+
+
 class ExpertParallelMoE:
     """One MoE layer with experts split evenly over world_size ranks; this object is one rank."""
 
@@ -197,6 +290,8 @@ class ExpertParallelMoE:
         self.transport, self.quant_mode = transport, quant_mode
         self.options = dict(activation=activation, gate_up_layout=gate_up_layout, **activation_options)
         self.routed_scaling_factor, self.output_dtype = float(routed_scaling_factor), output_dtype
+        self.last_chunks, self.last_tactic = None, None  # what the last forward used (tests, benchmark)
+        self._side_streams = {}  # device index -> the exchange stream of chunked forwards
 
     @classmethod
     def from_process_group(cls, num_experts: int, group=None, **kwargs) -> "ExpertParallelMoE":
@@ -212,13 +307,21 @@ class ExpertParallelMoE:
 
     def forward(self, x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, x_scale=None,
                 fc2_input_scale=None, w1_alpha=None, w2_alpha=None, per_token_scale=None, mode="throughput",
-                max_tokens_per_rank=None, out=None, tactic=None, timeline=None):
+                max_tokens_per_rank=None, out=None, tactic=None, timeline=None, chunks=None):
         """out [T, H] for this rank's tokens. w1 / w2 / scales / alphas: this rank's E / W experts.
 
         tactic: a GEMM tactic name forced on the owner's moe_expert_rows (None: the heuristic's,
         which depends on the received row count; pin it for bitwise comparisons with fused_moe).
         timeline: None, or a callable(name) the layer calls between its phases (the benchmark
-        records CUDA events there: 'dispatch', 'compute', 'combine' begin after the name's call)."""
+        records CUDA events there: 'dispatch', 'compute', 'combine' begin after the name's call; with
+        chunks > 1 the phases overlap: 'dispatch' marks the first dispatch, 'compute' the first
+        chunk's experts, 'combine' the last chunk's combine, 'finalize' the last chunk's finalize).
+        chunks: low-latency mode only, the same value on every rank: None (2 when
+        max_tokens_per_rank >= 1024, else 1), or n >= 1 (1: one exchange each way, no side stream).
+        With tactic=None and n > 1 every chunk runs the tactic the heuristic picks for the unchunked
+        call (pinned_tactic; where its two GEMMs would differ, the layer keeps one chunk), so the
+        result is bitwise the chunks=1 result. self.last_chunks / self.last_tactic: what the last
+        call used (the tactic it pinned, also on the CPU, whose engine takes none)."""
         if mode not in MODES:
             raise ValueError(f"qmoe: argument 'mode': expected one of {MODES}, got {mode!r}")
         if len(getattr(topk_ids, "shape", ())) != 2:
@@ -235,9 +338,45 @@ class ExpertParallelMoE:
         elif max_tokens_per_rank is not None:
             raise ValueError("qmoe: argument 'max_tokens_per_rank': expected None in mode 'throughput' (it sizes the "
                              f"low-latency buffers), got {max_tokens_per_rank}")
+        chunks = self._resolve_chunks(chunks, mode, max_tokens_per_rank)
+        self.last_tactic = tactic
+        if chunks > 1:
+            if len(getattr(w2, "shape", ())) != 3:
+                raise ValueError(f"qmoe: argument 'w2': expected [E_local, H, I/2], got shape "
+                                 f"{tuple(getattr(w2, 'shape', ()))}")
+            hidden, inter = int(w2.shape[1]), 2 * int(w2.shape[2])
+            if out is not None and tuple(out.shape) != (num_tokens, hidden):  # before any exchange
+                raise ValueError(f"qmoe: argument 'out': expected shape ({num_tokens}, {hidden}), got "
+                                 f"{tuple(out.shape)}")
+            if tactic is None:
+                self.last_tactic = pinned_tactic(self.quant_mode, self.options["activation"], hidden, inter,
+                                                 self.world_size * int(max_tokens_per_rank), top_k,
+                                                 self.experts_per_rank)
+                if self.last_tactic is None:
+                    chunks = 1  # the two GEMMs' heuristic tactics differ: one name cannot pin both
+        self.last_chunks = chunks
         mark = timeline if timeline is not None else (lambda name: None)
         xp = _Arrays(x)
         ids = topk_ids.to(xp.torch.int32).contiguous() if xp.torch else np.ascontiguousarray(topk_ids, np.int32)
+        if chunks > 1:
+            engine_tactic = tactic if tactic is not None else (
+                self.last_tactic if _engine_takes_tactics(x) else None)
+            payload = self._quantize(x, x_scale, fc2_input_scale, per_token_scale, num_tokens)  # whole batch
+            payload["topk_ids"] = ids
+            packed, layout = self._pack(xp, payload, num_tokens)
+            if out is None:
+                out = ops.empty_like_framework(x, (num_tokens, hidden), ops._dtype_name(self.output_dtype))
+            # The finalize runs per chunk between exchanges, where an argument error would leave the
+            # peers waiting: check its arguments now on zero tokens (dtypes, devices, shapes).
+            if tuple(getattr(topk_weights, "shape", ())) != (num_tokens, top_k):
+                raise ValueError(f"qmoe: argument 'topk_weights': expected shape ({num_tokens}, {top_k}), got "
+                                 f"{tuple(getattr(topk_weights, 'shape', ()))}")
+            ops.moe_finalize(ops.empty_like_framework(x, (0, hidden), "bfloat16"), ids[:0], topk_weights[:0],
+                             num_experts=self.num_experts, routed_scaling_factor=self.routed_scaling_factor,
+                             output_dtype=self.output_dtype, out=out[:0])
+            weights = (w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale)
+            return self._forward_chunked(xp, x, ids, topk_weights, packed, layout, weights, int(max_tokens_per_rank),
+                                         chunks, engine_tactic, out, mark)
         routing = _Routing(xp, ids, self.num_experts, self.world_size)
         if mode == "throughput":
             # The count exchange goes first and the host waits for it only after the quantize and
@@ -277,6 +416,109 @@ class ExpertParallelMoE:
         return result
 
     __call__ = forward
+
+    # ---- chunks (low-latency mode): dispatch / experts / combine / finalize pipelined ------------
+
+    def _resolve_chunks(self, chunks, mode, max_tokens_per_rank) -> int:
+        """The chunk count of this call, validated before any exchange (every rank must get the same)."""
+        if chunks is None:
+            if mode == "low_latency" and int(max_tokens_per_rank) >= _AUTO_CHUNKS_MIN_CAPACITY:
+                return _AUTO_CHUNKS
+            return 1
+        if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or int(chunks) < 1:
+            raise ValueError(f"qmoe: argument 'chunks': expected an integer >= 1 or None, got {chunks!r}")
+        if mode == "throughput" and int(chunks) != 1:
+            raise ValueError(f"qmoe: argument 'chunks': expected 1 or None in mode 'throughput' (chunks overlap "
+                             f"the low-latency mode's exchanges only), got {chunks}")
+        return int(chunks)
+
+    def _side_stream(self, x):
+        """The layer's exchange stream on x's device (created once per device), or None off the GPU."""
+        if not (is_torch(x) and x.is_cuda):
+            return None
+        import torch
+
+        streams = self._side_streams
+        key = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if key not in streams:
+            streams[key] = torch.cuda.Stream(device=x.device)
+        return streams[key]
+
+    def _forward_chunked(self, xp: _Arrays, x, ids, topk_weights, packed, layout, weights, capacity: int,
+                         chunks: int, tactic, out, mark):
+        """Low-latency layer in `chunks` token chunks, pipelined. Issue order (every rank the same, so
+        the exchanges pair up): D0; then for c: D(c+1), experts(c), combine K(c), finalize(c-1); then
+        finalize of the last chunk. On the exchange stream that is D0 D1 K0 D2 K1 ... : D(c+1) runs
+        while chunk c's experts compute, K(c-1) while chunk c computes; each finalize waits only for
+        its own combine."""
+        world, (num_tokens, top_k) = self.world_size, (int(ids.shape[0]), int(ids.shape[1]))
+        per_chunk = chunk_capacity(capacity, chunks)
+        bounds = chunk_bounds(num_tokens, chunks)
+        if max(b - a for a, b in zip(bounds, bounds[1:])) > per_chunk:  # cannot happen once T <= capacity
+            raise ValueError(f"qmoe: argument 'max_tokens_per_rank': expected every chunk to fit ceil("
+                             f"{capacity} / {chunks}) = {per_chunk} rows, got chunk sizes {bounds}")
+        w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale = weights
+        streams, keep = _Streams(xp, self._side_stream(x)), []
+        base = xp.arange(world) * per_chunk
+        plans = []
+        for c in range(chunks):  # routing of every chunk: array ops on the compute stream, no host sync
+            lo, hi = bounds[c], bounds[c + 1]
+            routing = _Routing(xp, ids[lo:hi], self.num_experts, world)
+            src = _send_index(xp, routing, base, world * per_chunk)  # chunk-local token, or hi - lo: pad
+            rows_of = xp.where(src < hi - lo, src + lo, xp.full(src.shape, num_tokens))  # packed row (T: pad)
+            plans.append((lo, hi, rows_of, routing.low_latency_row_index(xp, per_chunk)))
+
+        def dispatch(c):
+            send = packed[plans[c][2]]
+            return self._exchange_async(xp, streams, keep, send, per_chunk, (packed.shape[1],), packed.dtype)
+
+        def experts(recv, done):
+            streams.wait(done)
+            received = self._unpack(xp, recv, layout)
+            return self._expert_rows(received, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale,
+                                     top_k, tactic)
+
+        def combine(rows):
+            return self._exchange_async(xp, streams, keep, rows, per_chunk * top_k, (rows.shape[1],), rows.dtype)
+
+        def finalize(c, back, done):
+            streams.wait(done)
+            lo, hi, _, row_index = plans[c]
+            if hi > lo:  # the chunk's rows of `out`: a contiguous view, written in place
+                ops.moe_finalize(back, ids[lo:hi], topk_weights[lo:hi], num_experts=self.num_experts,
+                                 routed_scaling_factor=self.routed_scaling_factor, output_dtype=self.output_dtype,
+                                 out=out[lo:hi], row_index=row_index)
+
+        mark("dispatch")
+        dispatched, combined = {0: dispatch(0)}, {}
+        for c in range(chunks):
+            if c + 1 < chunks:
+                dispatched[c + 1] = dispatch(c + 1)
+            if c == 0:
+                mark("compute")
+            rows = experts(*dispatched.pop(c))
+            if c == chunks - 1:
+                mark("combine")
+            combined[c] = combine(rows)
+            if c >= 1:
+                finalize(c - 1, *combined.pop(c - 1))
+        mark("finalize")
+        finalize(chunks - 1, *combined.pop(chunks - 1))
+        streams.join()  # the compute stream waits for every exchange; `keep` is released after this
+        mark("end")
+        return out
+
+    def _exchange_async(self, xp: _Arrays, streams: _Streams, keep: list, buffer, rows_per_peer: int, row_shape,
+                        dtype):
+        """A fixed-size exchange (rows_per_peer rows to and from every peer) through `streams`;
+        returns (receive buffer, completion handle). The receive buffer is allocated here, on the
+        compute stream; both buffers stay in `keep` until the layer's join."""
+        world = self.world_size
+        sends = [buffer[d * rows_per_peer:(d + 1) * rows_per_peer] for d in range(world)]
+        out = xp.empty((world * rows_per_peer,) + tuple(row_shape), dtype)
+        keep.extend((buffer, out))
+        done = streams.exchange(lambda: self.transport.all_to_all(sends, [rows_per_peer] * world, out=out))
+        return out, done
 
     # ---- steps ----------------------------------------------------------------------------------
 

@@ -174,7 +174,8 @@ class NcclTransport:
         return [int(v) for v in torch.cat(recvs).cpu().tolist()]  # host sync: throughput mode only
 
     def all_to_all(self, sends: list, recv_counts: list, out=None) -> list:
-        """Grouped ncclSend/ncclRecv on torch's current stream of the buffers' device: asynchronous,
+        """Grouped ncclSend/ncclRecv on torch's current stream of the buffers' device (the chunked EP
+        forward makes its exchange stream current around this call, see ep._Streams): asynchronous,
         no host sync, capturable in a CUDA graph (after one eager call has set up NCCL's peer
         connections). Zero-row buffers are skipped. Both sides must agree on every size (NCCL cannot
         check: a mismatch hangs or corrupts)."""

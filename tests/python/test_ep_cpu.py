@@ -491,3 +491,268 @@ def test_nccl_loads_when_installed():
         pytest.skip("no libnccl on this machine")
     assert _C.nccl_version() >= 20700  # send/recv need NCCL >= 2.7
     assert "nccl" in _C.nccl_library()
+
+
+# ---- chunks: the low-latency layer pipelined over token chunks (bitwise == chunks=1 == single GPU) ----
+
+def _run_ep_chunks(case, bounds, world, capacity, chunks, drop=(), tactic=None, out_of=None, to_framework=None):
+    """Low-latency EP with forward(chunks=...); returns (outputs, per-rank (last_chunks, last_tactic),
+    exchanges made). to_framework: converts the rank's arrays (torch CPU tensors)."""
+    num_experts = case["num_experts"]
+    per = num_experts // world
+    conv = to_framework or (lambda a: a)
+    group = LoopbackGroup(world)
+    used = [None] * world
+
+    def rank_fn(rank, transport):
+        mine = _slice_tokens(case, bounds[rank], bounds[rank + 1])
+        lo, hi = rank * per, (rank + 1) * per
+        w = {k: (None if case.get(k) is None else conv(case[k][lo:hi]))
+             for k in ("w1", "w1_scale", "w2", "w2_scale", "w1_alpha", "w2_alpha")}
+        layer = ExpertParallelMoE(world, rank, num_experts, transport=transport, quant_mode=case["quant_mode"],
+                                  activation=case["activation"], gate_up_layout=case["gate_up_layout"])
+        extra = {k: conv(mine.get(k)) for k in ("x_scale", "fc2_input_scale", "per_token_scale") if k not in drop}
+        out = layer.forward(conv(mine["x"]), conv(mine["topk_ids"]), conv(mine["topk_weights"]), w["w1"],
+                            w["w1_scale"], w["w2"], w["w2_scale"], w1_alpha=w["w1_alpha"], w2_alpha=w["w2_alpha"],
+                            mode="low_latency", max_tokens_per_rank=capacity, chunks=chunks, tactic=tactic,
+                            out=None if out_of is None else out_of(rank), **extra)
+        used[rank] = (layer.last_chunks, layer.last_tactic)
+        return out
+
+    outs = run_loopback(world, rank_fn, group=group)
+    return outs, used, group.calls
+
+
+@pytest.mark.parametrize("world, sizes, capacity", [(2, [7, 5], 7), (4, [7, 5, 2, 0], 7), (2, [1, 2], 2),
+                                                    (4, [0, 1, 0, 2], 3)])
+def test_chunks_are_bitwise_chunks_1_and_single_gpu(world, sizes, capacity):
+    """chunks in {1, 2, 3}: uneven chunk sizes (T not divisible), T < chunks (empty chunks), a rank
+    holding no token; every chunk is exchanged on every rank (2 exchanges per chunk)."""
+    ids, wts = _routing(sum(sizes), 4, 8, seed=120 + world + capacity)
+    case = _case("w4a8_int4", ids, wts, num_experts=8)
+    bounds = _bounds(sizes)
+    first, _, calls = _run_ep_chunks(case, bounds, world, capacity, chunks=1)
+    assert calls == 2
+    _check_equal_per_rank(case, bounds, first)
+    for chunks in (2, 3):
+        outs, used, calls = _run_ep_chunks(case, bounds, world, capacity, chunks)
+        assert calls == 2 * chunks and all(u[0] == chunks for u in used)
+        _check_equal_per_rank(case, bounds, outs)
+        for a, b in zip(outs, first):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_chunks_with_a_rank_receiving_no_tokens_and_skewed_routing(chunks):
+    world, sizes = 4, [6, 5, 7, 4]
+    ids, wts = _routing(sum(sizes), 2, 6, seed=130)  # experts 0..5 of 8: rank 3 receives nothing
+    case = _case("w4a8_int4", ids, wts, num_experts=8)
+    bounds = _bounds(sizes)
+    _check_equal_per_rank(case, bounds, _run_ep_chunks(case, bounds, world, 8, chunks)[0])
+    ids, wts = _routing(14, 4, 16, seed=131, hot_lo=8, hot_hi=16, hot_share=0.8)
+    case = _case("w4a8_int4", ids, wts, num_experts=16)
+    _check_equal_per_rank(case, [0, 9, 14], _run_ep_chunks(case, [0, 9, 14], 2, 9, chunks)[0])
+
+
+def test_chunks_keep_the_whole_batch_dynamic_a1():
+    """Dynamic a1 is the amax over the rank's WHOLE x (as fused_moe on its tokens), not per chunk;
+    the chunks' own amaxes differ here, so a per-chunk quantization would not be bitwise."""
+    world, sizes = 2, [8, 7]
+    ids, wts = _routing(15, 4, 8, seed=140)
+    case = _case("w4a8_int4", ids, wts, num_experts=8)
+    case["x"] = case["x"].copy()
+    case["x"][1] = (case["x"][1].astype(np.float32) * 6).astype(case["x"].dtype)  # chunk 0 of rank 0: larger amax
+    bounds = _bounds(sizes)
+    amax = [np.abs(case["x"][a:b].astype(np.float32)).max() for a, b in ((0, 4), (4, 8))]
+    assert amax[0] > 2 * amax[1]
+    outs = _run_ep_chunks(case, bounds, world, 8, 2, drop=("x_scale",))[0]
+    _check_equal_per_rank(case, bounds, outs, drop=("x_scale",))
+
+
+@pytest.mark.parametrize("mode", ["w4a16_int4", "w4a4_per_token", "w4a8", "w4a16"])
+def test_chunks_other_quant_modes(mode):
+    per_token = mode == "w4a4_per_token"
+    quant_mode = "w4a4" if per_token else mode
+    ids, wts = _routing(11, 4, 8, seed=150)
+    case = _case(quant_mode, ids, wts, num_experts=8, per_token=per_token)
+    bounds = _bounds([6, 5])
+    _check_equal_per_rank(case, bounds, _run_ep_chunks(case, bounds, 2, 6, 3)[0])
+
+
+@pytest.mark.parametrize("quant_mode", ["w4a8_int4", "w4a4"])
+def test_chunks_on_torch_cpu_tensors(quant_mode):
+    """The torch branch of the chunk plan (the one CUDA tensors take, minus the side stream)."""
+    torch = _torch_or_skip()
+    ids, wts = _routing(13, 4, 8, seed=160)
+    case = _case(quant_mode, ids, wts, num_experts=8)
+    bounds = _bounds([7, 6])
+
+    def to_torch(a):
+        if a is None or not isinstance(a, np.ndarray):
+            return a
+        a = np.ascontiguousarray(a)
+        if a.dtype == qt.ref.BF16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        if a.dtype.itemsize == 1 and a.dtype.kind not in "iu":
+            return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
+        return torch.from_numpy(a)
+
+    for chunks in (2, 3):
+        outs, used, calls = _run_ep_chunks(case, bounds, 2, 7, chunks, to_framework=to_torch)
+        assert calls == 2 * chunks and all(isinstance(o, torch.Tensor) for o in outs)
+        _check_equal_per_rank(case, bounds, [o.view(torch.int16).numpy().view(qt.ref.BF16) for o in outs])
+
+
+def test_chunks_write_into_the_given_out():
+    ids, wts = _routing(9, 4, 8, seed=170)
+    case = _case("w4a8_int4", ids, wts, num_experts=8)
+    bounds = _bounds([5, 4])
+    buffers = [qt.poison((5, H), qt.ref.BF16), qt.poison((4, H), qt.ref.BF16)]
+    outs = _run_ep_chunks(case, bounds, 2, 5, 2, out_of=lambda r: buffers[r])[0]
+    assert all(o is b for o, b in zip(outs, buffers)) and not any(qt.poisoned_mask(b).any() for b in buffers)
+    _check_equal_per_rank(case, bounds, outs)
+
+
+def test_chunks_pin_one_tactic_for_every_chunk(monkeypatch):
+    """tactic=None: every chunk's moe_expert_rows gets the tactic the heuristic picks for the
+    UNCHUNKED owner call (W * max_tokens_per_rank rows of k slots over E/W experts); a caller's tactic
+    passes through to every chunk. The CPU engine takes no tactic, so the GPU rule is switched on and
+    the recorded name dropped before the reference runs."""
+    from qmoe import ep
+
+    seen, real = [], ops.moe_expert_rows
+
+    def recording(*args, tactic=None, **kw):
+        seen.append(tactic)
+        return real(*args, tactic=None, **kw)
+
+    monkeypatch.setattr(ep.ops, "moe_expert_rows", recording)
+    monkeypatch.setattr(ep, "_engine_takes_tactics", lambda x: True)
+    world, capacity, top_k = 2, 6, 4
+    ids, wts = _routing(11, top_k, 8, seed=180)
+    case = _case("w4a8_int4", ids, wts, num_experts=8)
+    bounds = _bounds([6, 5])
+    want = ops.select_tactic(2 * I, H, world * capacity * top_k, 8 // world, top_k)
+    assert want == ops.select_tactic(H, I, world * capacity * top_k, 8 // world, top_k)
+    # The per-chunk problem alone would pick another tactic here: pinning matters.
+    assert ops.select_tactic(2 * I, H, world * 2 * top_k, 8 // world, top_k) != want
+    outs, used, _ = _run_ep_chunks(case, bounds, world, capacity, 3)
+    assert seen == [want] * (3 * world) and used == [(3, want)] * world
+    _check_equal_per_rank(case, bounds, outs)
+    seen.clear()
+    outs, used, _ = _run_ep_chunks(case, bounds, world, capacity, 2, tactic="decode_m128_n16_k256")
+    assert seen == ["decode_m128_n16_k256"] * (2 * world) and used == [(2, "decode_m128_n16_k256")] * world
+    _check_equal_per_rank(case, bounds, outs)
+    seen.clear()
+    _run_ep_chunks(case, bounds, world, capacity, 1)  # chunks=1: today's call, the heuristic per call
+    assert seen == [None] * world
+
+
+def test_pinned_tactic_is_the_heuristic_of_both_gemms_or_none():
+    from qmoe.ep import pinned_tactic
+
+    for quant_mode, bf16 in (("w4a8_int4", False), ("w4a16", True)):
+        for tokens in (1, 8, 64, 512, 8192):
+            got = pinned_tactic(quant_mode, "swiglu", 7168, 2048, tokens, 8, 128)
+            first = ops.select_tactic(4096, 7168, tokens * 8, 128, 8, bf16)
+            second = ops.select_tactic(7168, 2048, tokens * 8, 128, 8, bf16)
+            assert got == (first if first == second else None)
+    # Qwen3-235B-like GEMMs (N1 = 3072: 24 tiles, N2 = 4096: 32 tiles) at 5 slots over 64 experts:
+    # the decode grid rule picks half-height tiles for GEMM1 only -> no single name pins both.
+    first = ops.select_tactic(3072, 4096, 5, 64, 1)
+    second = ops.select_tactic(4096, 1536, 5, 64, 1)
+    assert first != second
+    assert pinned_tactic("w4a8_int4", "swiglu", 4096, 1536, 5, 1, 64) is None
+    # relu2: GEMM1 has N = I rows (not 2I): H = I = 3072 gives the same pick for both GEMMs, swiglu not.
+    assert pinned_tactic("w4a8_int4", "relu2", 3072, 3072, 5, 1, 64) == ops.select_tactic(3072, 3072, 5, 64, 1)
+    assert pinned_tactic("w4a8_int4", "swiglu", 3072, 3072, 5, 1, 64) is None
+
+
+def test_chunks_fall_back_to_one_when_no_tactic_pins_both_gemms(monkeypatch):
+    from qmoe import ep
+
+    monkeypatch.setattr(ep, "pinned_tactic", lambda *a: None)
+    ids, wts = _routing(9, 4, 8, seed=190)
+    case = _case("w4a8_int4", ids, wts, num_experts=8)
+    bounds = _bounds([5, 4])
+    outs, used, calls = _run_ep_chunks(case, bounds, 2, 5, 2)
+    assert calls == 2 and used == [(1, None)] * 2
+    _check_equal_per_rank(case, bounds, outs)
+
+
+def test_chunk_capacity_fits_every_chunk():
+    """Capacity per chunk = ceil(max_tokens_per_rank / chunks); chunk c = [c*T//n, (c+1)*T//n)."""
+    from qmoe.ep import chunk_bounds, chunk_capacity
+
+    for capacity in range(1, 13):
+        for tokens in range(0, capacity + 1):
+            for chunks in range(1, 6):
+                b = chunk_bounds(tokens, chunks)
+                assert b[0] == 0 and b[-1] == tokens and len(b) == chunks + 1
+                sizes = [hi - lo for lo, hi in zip(b, b[1:])]
+                assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1
+                assert max(sizes) <= chunk_capacity(capacity, chunks) == -(-capacity // chunks)
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_chunks_capacity_error_before_any_exchange(chunks):
+    """T > max_tokens_per_rank is refused per layer call (not per chunk) whatever the chunk count:
+    every rank refuses before its first exchange."""
+    ids, wts = _routing(10, 2, 4, seed=200)
+    case = _case("w4a8_int4", ids, wts, num_experts=4)
+    group = LoopbackGroup(2)
+
+    def rank_fn(rank, transport):
+        mine = _slice_tokens(case, 5 * rank, 5 * rank + 5)
+        layer = ExpertParallelMoE(2, rank, 4, transport=transport)
+        sl = slice(2 * rank, 2 * rank + 2)
+        return layer.forward(mine["x"], mine["topk_ids"], mine["topk_weights"], case["w1"][sl], case["w1_scale"][sl],
+                             case["w2"][sl], case["w2_scale"][sl], x_scale=case["x_scale"],
+                             fc2_input_scale=case["fc2_input_scale"], mode="low_latency", max_tokens_per_rank=4,
+                             chunks=chunks)
+
+    with pytest.raises(ValueError, match="'max_tokens_per_rank'.*T = 5"):
+        run_loopback(2, rank_fn, group=group)
+    assert group.calls == 0
+
+
+def test_default_chunks_follow_the_capacity():
+    """chunks=None: 2 chunks from max_tokens_per_rank >= 1024 (a value every rank shares), else 1;
+    the throughput mode never chunks."""
+    ids, wts = _routing(5, 2, 4, seed=210)
+    case = _case("w4a8_int4", ids, wts, num_experts=4)
+    bounds = _bounds([3, 2])
+    for capacity, chunks in ((1024, 2), (1023, 1)):
+        outs, used, calls = _run_ep_chunks(case, bounds, 2, capacity, None)
+        assert used[0][0] == chunks and calls == 2 * chunks
+        _check_equal_per_rank(case, bounds, outs)
+    layer = ExpertParallelMoE(1, 0, 4, transport=LoopbackGroup(1).transport(0))
+    assert layer._resolve_chunks(None, "throughput", None) == 1
+
+
+def test_chunks_argument_errors_before_any_exchange():
+    ids, wts = _routing(6, 2, 4, seed=220)
+    case = _case("w4a8_int4", ids, wts, num_experts=4)
+    group = LoopbackGroup(1)
+    layer = ExpertParallelMoE(1, 0, 4, transport=group.transport(0))
+    base = (case["x"], ids, wts, case["w1"], case["w1_scale"], case["w2"], case["w2_scale"])
+    kw = dict(x_scale=case["x_scale"], fc2_input_scale=case["fc2_input_scale"])
+    for bad in (0, -1, 2.5, True, "2"):
+        with pytest.raises(ValueError, match="'chunks'"):
+            layer.forward(*base, **kw, mode="low_latency", max_tokens_per_rank=6, chunks=bad)
+    with pytest.raises(ValueError, match="'chunks'.*'throughput'"):
+        layer.forward(*base, **kw, mode="throughput", chunks=2)
+    out = qt.poison((5, H), qt.ref.BF16)
+    with pytest.raises(ValueError, match="'out'"):
+        layer.forward(*base, **kw, mode="low_latency", max_tokens_per_rank=6, chunks=2, out=out)
+    with pytest.raises(ValueError, match="'topk_weights'"):
+        layer.forward(*base[:2], wts[:, :1].copy(), *base[3:], **kw, mode="low_latency", max_tokens_per_rank=6,
+                      chunks=2)
+    with pytest.raises(TypeError, match="'topk_weights'"):
+        layer.forward(*base[:2], wts.astype(np.float64), *base[3:], **kw, mode="low_latency",
+                      max_tokens_per_rank=6, chunks=2)
+    assert group.calls == 0 and qt.poisoned_mask(out).all()
+    # numpy integer chunk counts are accepted (one rank: the chunked path with W = 1)
+    got = layer.forward(*base, **kw, mode="low_latency", max_tokens_per_rank=6, chunks=np.int64(2))
+    np.testing.assert_array_equal(_bits(got), _bits(_single(case)))
+    assert group.calls == 4

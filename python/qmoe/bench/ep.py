@@ -8,7 +8,10 @@ T tokens per rank, uniform top-k routing, static a1 / a2, deterministic finalize
            eagerly (it syncs the host once for the counts), low-latency mode as a CUDA-graph replay;
            each sample starts on both ranks together (gloo barrier); the time is the slower rank's
            median. ratios: throughput / single eager, low latency / single graph (target <= 1.25: the
-           same work per GPU plus the exchange).
+           same work per GPU plus the exchange). The LL columns run forward(chunks=1) (one exchange
+           each way); --chunks N adds, per N, the low-latency graph replay with forward(chunks=N)
+           (exchanges on a side stream, overlapped with the other chunk's GEMMs), its ratio, and
+           whether its output is bitwise the chunks=1 output (rank 0).
   split    prep (plan + count exchange + quantize + pack) / dispatch / compute (moe_expert_rows) /
            combine / finalize (through row_index, no gather)
            of an eager throughput forward, CUDA events at the phase marks (ExpertParallelMoE.forward's
@@ -46,6 +49,7 @@ def _parse(argv):
     p.add_argument("--models", default=",".join(DEFAULT_MODELS))
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="tokens per rank")
     p.add_argument("--modes", default="throughput,low_latency")
+    p.add_argument("--chunks", default="2", help="extra low-latency chunk counts (> 1), comma list; '' for none")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out-dir", default="")
@@ -56,6 +60,7 @@ def _parse(argv):
     args.models = [m for m in args.models.split(",") if m]
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
     args.modes = [m for m in args.modes.split(",") if m]
+    args.chunks = [int(c) for c in args.chunks.split(",") if c and int(c) > 1]
     return args
 
 
@@ -230,10 +235,10 @@ def rank_main(rank, world, args) -> int:
                                      weights["w2_scale"], quant_mode="w4a8_int4", num_experts=experts, x_scale=a1,
                                      fc2_input_scale=a2, deterministic=True, out=out)
 
-            def ep(mode, out=None, timeline=None):
+            def ep(mode, out=None, timeline=None, chunks=1):
                 return layer.forward(x, ids, wts, local["w1"], local["w1_scale"], local["w2"], local["w2_scale"],
                                      x_scale=a1, fc2_input_scale=a2, mode=mode, out=out, timeline=timeline,
-                                     max_tokens_per_rank=tokens if mode == "low_latency" else None)
+                                     max_tokens_per_rank=tokens if mode == "low_latency" else None, chunks=chunks)
 
             # Single GPU on rank 0 (rank 1 waits), graph replay.
             if rank == 0:
@@ -275,6 +280,33 @@ def rank_main(rank, world, args) -> int:
                 except Exception as e:  # noqa: BLE001
                     row[f"ep_{key}_error"] = f"{type(e).__name__}: {e}"
                     print(f"[rank {rank}] {model} T={tokens} {mode}: {row[f'ep_{key}_error']}", flush=True)
+                    raise  # the peer may be inside an exchange: stop rather than desynchronise
+            # Low latency in chunks (forward(chunks=n)): graph replay, ratio, bitwise vs chunks=1.
+            for n in (args.chunks if "low_latency" in args.modes else []):
+                key = f"ll_c{n}"
+                try:
+                    if not args.cpu:
+                        out_c = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=device)
+                        graph = _graph(torch, lambda: ep("low_latency", out_c, chunks=n), args.warmup)
+                        row[f"ep_{key}_us"] = _time_ep(torch, clock, graph.replay, args.iters, 1)
+                        del graph
+                    else:
+                        row[f"ep_{key}_us"] = _time_ep(torch, clock, lambda: ep("low_latency", chunks=n),
+                                                       max(1, args.iters // 4), 1)
+                    base = row.get("single_us") if not args.cpu else row.get("single_eager_us", row.get("single_us"))
+                    if base:
+                        row[f"ratio_{key}"] = row[f"ep_{key}_us"] / base
+                    one, many = ep("low_latency", chunks=1), ep("low_latency", chunks=n)
+                    clock.sync()
+                    if rank == 0:
+                        same = bool(torch.equal(one.view(torch.int16), many.view(torch.int16)))
+                        rel = float(((many.float() - one.float()) ** 2).mean().sqrt()
+                                    / (one.float() ** 2).mean().sqrt())
+                        row[f"{key}_check"] = "bitwise" if same else f"rel RMS {rel:.2e}"
+                except Exception as e:  # noqa: BLE001
+                    row[f"ep_{key}_error"] = f"{type(e).__name__}: {e}"
+                    print(f"[rank {rank}] {model} T={tokens} low_latency chunks={n}: {row[f'ep_{key}_error']}",
+                          flush=True)
                     raise  # the peer may be inside an exchange: stop rather than desynchronise
             # Phase split (throughput) and link numbers.
             row["split"] = _split(torch, clock, layer, lambda tl: ep("throughput", timeline=tl),
@@ -346,6 +378,16 @@ COLUMNS = (("model", "model"), ("T/rank", "T"), ("single eager", "single_eager_u
            ("EP vs single", "check"))
 
 
+def _columns(args):
+    """COLUMNS with, per --chunks N, the chunked low-latency time and ratio after the LL ratio and
+    its bitwise check at the end."""
+    extra = [c for n in args.chunks for c in ((f"EP LL c{n} graph", f"ep_ll_c{n}_us"),
+                                                (f"LL c{n} ratio", f"ratio_ll_c{n}"))]
+    at = [k for _, k in COLUMNS].index("ratio_ll") + 1
+    return (COLUMNS[:at] + tuple(extra) + COLUMNS[at:]
+            + tuple((f"LL c{n} vs c1", f"ll_c{n}_check") for n in args.chunks))
+
+
 def _get(row, key):
     if key.startswith("split."):
         return row.get("split", {}).get(key[6:])
@@ -353,16 +395,19 @@ def _get(row, key):
 
 
 def _report(rows, args):
+    columns = _columns(args)
     lines = ["", "## Expert parallelism, 2 ranks: weak scaling (w4a8_int4, deterministic finalize)", "",
              "EP: 2 GPUs, half the experts each, T tokens per rank; single: 1 GPU, all experts, T tokens. "
              "Times in us (median, slower rank); thr ratio = EP throughput (eager: it syncs the host once) / "
-             "single eager; LL ratio = EP low-latency graph replay / single graph replay (target <= 1.25); split = phases of an eager throughput forward; MB = bytes "
+             "single eager; LL ratio = EP low-latency graph replay / single graph replay (target <= 1.25); "
+             "LL cN = the same with forward(chunks=N) (exchanges overlapped with the other chunk's GEMMs), "
+             "'LL cN vs c1' = its output against chunks=1; split = phases of an eager throughput forward; MB = bytes "
              "each rank sends to the other; plain = a grouped NCCL send/recv of the same bytes alone."
              + (" CPU run (--cpu): not a benchmark." if args.cpu else ""), "",
-             "| " + " | ".join(h for h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+             "| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         lines.append("| " + " | ".join(_fmt(_get(row, k), 2 if k.startswith("ratio") or k.endswith("_mb") else 1)
-                                       for _, k in COLUMNS)
+                                       for _, k in columns)
                      + " |")
     errors = [(r["model"], r["T"], k, v) for r in rows for k, v in r.items() if k.endswith("_error")]
     for model, tokens, key, err in errors:
@@ -375,7 +420,7 @@ def _report(rows, args):
         with open(stem + ".md", "w") as f:
             f.write(text + "\n")
         with open(stem + ".json", "w") as f:
-            json.dump(dict(rows=rows, modes=args.modes, cpu=args.cpu), f, indent=1, default=str)
+            json.dump(dict(rows=rows, modes=args.modes, chunks=args.chunks, cpu=args.cpu), f, indent=1, default=str)
 
 
 def main(argv=None) -> int:

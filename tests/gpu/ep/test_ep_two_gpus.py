@@ -15,6 +15,14 @@ any check failed on any rank):
   low_latency/graph  the whole layer captured in a CUDA graph, inputs changed in place, replayed:
                    == eager == single GPU
   low_latency/capacity  T > max_tokens_per_rank: ValueError naming it, before any exchange
+  low_latency/chunks<n>  forward(chunks=n), n in {2, 3} (exchanges on a side stream, overlapped with
+                   the GEMMs): == chunks=1 and == single GPU, bitwise, pinned tactic and heuristic
+                   (the heuristic's tactic of the unchunked call is pinned for every chunk);
+                   T = 300 / 223 per rank (GPU): each chunk's 2400 slots take the multi-CTA
+                   (cooperative) routing kernel while NCCL runs beside it
+  low_latency/chunks_empty  chunks=2 with rank 1 holding no token (its chunks are empty)
+  low_latency/chunks_graph  chunks=2 captured in a CUDA graph (side stream forked and joined in the
+                   capture), replayed with new inputs: == eager chunks=1 == single GPU
   bf16/<quant>     w4a16_int4, w4a4, w4a8, w4a16 (the bf16 x 4-bit pipeline), both modes
 with <mode> in throughput, low_latency.
 
@@ -144,7 +152,7 @@ def single_gpu(env, mine, tactic, **kw):
     return ops.fused_moe(**args, deterministic=True, tactic=tactic, **kw)
 
 
-def ep_forward(env, layer, case, mine, mode, tactic, capacity=None, drop=(), out=None):
+def ep_forward(env, layer, case, mine, mode, tactic, capacity=None, drop=(), out=None, chunks=None):
     per = E // env.world
     sl = slice(env.rank * per, (env.rank + 1) * per)
     w = {k: (None if case.get(k) is None else case[k][sl]) for k in ("w1", "w1_scale", "w2", "w2_scale", "w1_alpha",
@@ -153,7 +161,7 @@ def ep_forward(env, layer, case, mine, mode, tactic, capacity=None, drop=(), out
     return layer.forward(mine["x"], mine["topk_ids"], mine["topk_weights"], w["w1"], w["w1_scale"], w["w2"],
                          w["w2_scale"], w1_alpha=w["w1_alpha"], w2_alpha=w["w2_alpha"], mode=mode,
                          max_tokens_per_rank=capacity if mode == "low_latency" else None, tactic=tactic, out=out,
-                         **extra)
+                         chunks=chunks, **extra)
 
 
 def make_layer(env, transport, case):
@@ -212,6 +220,20 @@ def check_equal(env, name, transport, quant_mode, mode, ids, wts, bounds, tactic
             check_whole_batch(env, label, case, got, bounds, tactic)
 
 
+def check_equal_chunks_empty(env, transport, ids, wts):
+    """chunks=2 while rank 1 holds no token: its two chunks are empty, it still computes and returns
+    rank 0's rows."""
+    case = make_case(env, "w4a8_int4", ids, wts)
+    mine = rank_slice(case, [0, 24, 24], env.rank)
+    layer = make_layer(env, transport, case)
+    tactic = env.tactic(PINNED[0])
+    got = ep_forward(env, layer, case, mine, "low_latency", tactic, 24, chunks=2)
+    want = single_gpu(env, mine, tactic)
+    sync(env)
+    ok, detail = compare(env, got, want, "chunks=2 vs single GPU")
+    env.report("low_latency/chunks_empty", ok and layer.last_chunks == 2, detail)
+
+
 def check_whole_batch(env, label, case, got, bounds, tactic):
     """Static a1: the ranks' outputs concatenated == fused_moe of the whole global batch."""
     import torch.distributed as dist
@@ -225,6 +247,79 @@ def check_whole_batch(env, label, case, got, bounds, tactic):
     env.report(label.replace("uniform", "batch"), ok,
                "ranks' outputs together == fused_moe(whole batch)" if ok else
                f"{int(np.sum(joined != whole)) if joined.shape == whole.shape else 'shape'} elements differ")
+
+
+def check_chunks(env, transport, chunks, bounds, capacity, seed):
+    """Low-latency forward(chunks=n) == forward(chunks=1) == single GPU, bitwise (pinned tactic;
+    heuristic: == chunks=1 bitwise, since the unchunked call's tactic is pinned)."""
+    ids, wts = routing(bounds[-1], K, E, seed=seed)
+    case = make_case(env, "w4a8_int4", ids, wts, seed=seed % 97)
+    mine = rank_slice(case, bounds, env.rank)
+    layer = make_layer(env, transport, case)
+    tactics = [env.tactic(PINNED[0]), None] if not env.cpu else [None]
+    results = []
+    for tactic in tactics:
+        one = ep_forward(env, layer, case, mine, "low_latency", tactic, capacity, chunks=1)
+        got = ep_forward(env, layer, case, mine, "low_latency", tactic, capacity, chunks=chunks)
+        used = (layer.last_chunks, layer.last_tactic)
+        sync(env)
+        ok1, d1 = compare(env, got, one, f"chunks={chunks} vs chunks=1")
+        ok, detail = ok1 and used[0] == chunks, f"{d1}; used chunks/tactic {used}"
+        if tactic is not None or env.cpu:
+            want = single_gpu(env, mine, tactic)
+            sync(env)
+            ok2, d2 = compare(env, got, want, "vs single GPU")
+            ok, detail = ok and ok2, f"{detail}; {d2}"
+        results.append((tactic, ok, detail))
+    for tactic, ok, detail in results:
+        env.report(f"low_latency/chunks{chunks} [tactic {tactic or 'heuristic'}]", ok, detail)
+
+
+def check_chunks_graph(env, transport):
+    """chunks=2 captured once (side stream forked from and joined into the capture stream), replayed
+    with new inputs written in place: == eager chunks=1 == single GPU."""
+    torch = env.torch
+    capacity, bounds = 24, [0, 21, 37]
+    ids, wts = routing(37, K, E, seed=510)
+    case = make_case(env, "w4a8_int4", ids, wts, seed=7)
+    mine = rank_slice(case, bounds, env.rank)
+    layer = make_layer(env, transport, case)
+    tactic = PINNED[0]
+    static = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in mine.items()}
+    out = torch.empty((static["x"].shape[0], H), dtype=torch.bfloat16, device=env.device)
+
+    def call():
+        return ep_forward(env, layer, case, static, "low_latency", tactic, capacity, out=out, chunks=2)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: NCCL peer connections, the layer's exchange stream, pools
+        call()
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    ids2, wts2 = routing(37, K, E, seed=511, lo=E // 2, hi=E, share=0.5)
+    case2 = make_case(env, "w4a8_int4", ids2, wts2, seed=8)
+    mine2 = rank_slice(case2, bounds, env.rank)
+    for key in ("x", "topk_ids", "topk_weights"):
+        static[key].copy_(mine2[key])
+    graph.replay()
+    graph.replay()  # twice: a replay must not depend on the previous one's leftovers
+    torch.cuda.synchronize()
+    replayed = out.clone()
+    eager_in = dict(mine2)
+    eager_in["x_scale"], eager_in["fc2_input_scale"] = mine["x_scale"], mine["fc2_input_scale"]
+    eager = ep_forward(env, layer, case, eager_in, "low_latency", tactic, capacity, chunks=1)
+    ref_in = dict(case)
+    ref_in.update({k: eager_in[k] for k in ("x", "topk_ids", "topk_weights", "x_scale", "fc2_input_scale")})
+    want = single_gpu(env, ref_in, tactic)
+    torch.cuda.synchronize()
+    ok1, d1 = compare(env, replayed, eager, "chunks=2 graph replay vs eager chunks=1")
+    ok2, d2 = compare(env, replayed, want, "vs single GPU")
+    env.report("low_latency/chunks_graph", ok1 and ok2, f"{d1}; {d2}")
 
 
 def check_graph(env, transport):
@@ -334,6 +429,13 @@ def run_checks(env, transport, only):
     if not env.cpu:
         guarded("low_latency/graph", check_graph, env, transport)
     guarded("low_latency/capacity", check_capacity, env, transport)
+    big = [0, 300, 523] if not env.cpu else [0, 40, 73]  # GPU: 2400 slots per chunk (multi-CTA routing)
+    for n in (2, 3):
+        guarded(f"low_latency/chunks{n}", check_chunks, env, transport, n, big, big[1], 800 + n)
+    ids, wts = routing(24, K, E, seed=820)
+    guarded("low_latency/chunks_empty", check_equal_chunks_empty, env, transport, ids, wts)
+    if not env.cpu:
+        guarded("low_latency/chunks_graph", check_chunks_graph, env, transport)
     for quant_mode in ("w4a16_int4", "w4a4", "w4a8", "w4a16"):
         for mode in ("throughput", "low_latency"):
             ids, wts = routing(41, K, E, seed=700)
