@@ -40,8 +40,9 @@ ceil(max_tokens_per_rank / n) rows, so the T <= max_tokens_per_rank rule per lay
 (every chunk holds at most ceil(T / n) tokens). One GEMM tactic serves every chunk: the caller's, or
 the one the owner's heuristic picks for the UNCHUNKED call (W * max_tokens_per_rank received rows),
 so the output is bitwise the chunks=1 output. Each token's slots live in one chunk, and the chunk's
-finalize writes its rows of `out`. Default (chunks=None): 2 when max_tokens_per_rank >= 1024 (a value
-every rank shares, unlike T), else 1; the throughput mode takes chunks=1 only.
+finalize writes its rows of `out`. Default (chunks=None): 1. Chunking is opt-in until it has run on
+GPUs (written after session 3's last 2-GPU run; checked on the CPU only); the throughput mode takes
+chunks=1 only.
 
 The plan is computed with array operations (numpy for CPU arrays, torch for torch tensors: on the
 GPU for CUDA tensors, no copy of the routing to the host); it matches include/qmoe/expert_parallel.h
@@ -65,11 +66,6 @@ _PAYLOAD = {
     "w4a4": ("x", "x_scale", "per_token_scale"),
 }
 _ROW_ALIGN = 16  # bytes: packed rows stay 16-byte aligned, so every part's copy is aligned too
-# Default chunking of the low-latency mode: 2 chunks from this capacity up (one chunk's exchanges
-# then overlap the other's GEMMs; below it the exchanges are latency-bound and a split only adds
-# launches). The capacity, not T, decides: every rank must run the same number of exchanges.
-_AUTO_CHUNKS_MIN_CAPACITY = 1024
-_AUTO_CHUNKS = 2
 
 
 # ---- array operations on numpy arrays or torch tensors (one code path for both) --------------------
@@ -316,8 +312,8 @@ class ExpertParallelMoE:
         records CUDA events there: 'dispatch', 'compute', 'combine' begin after the name's call; with
         chunks > 1 the phases overlap: 'dispatch' marks the first dispatch, 'compute' the first
         chunk's experts, 'combine' the last chunk's combine, 'finalize' the last chunk's finalize).
-        chunks: low-latency mode only, the same value on every rank: None (2 when
-        max_tokens_per_rank >= 1024, else 1), or n >= 1 (1: one exchange each way, no side stream).
+        chunks: low-latency mode only, the same value on every rank: None or 1 (one exchange each
+        way, no side stream; the default until chunking has been measured on GPUs), or n > 1.
         With tactic=None and n > 1 every chunk runs the tactic the heuristic picks for the unchunked
         call (pinned_tactic; where its two GEMMs would differ, the layer keeps one chunk), so the
         result is bitwise the chunks=1 result. self.last_chunks / self.last_tactic: what the last
@@ -422,8 +418,6 @@ class ExpertParallelMoE:
     def _resolve_chunks(self, chunks, mode, max_tokens_per_rank) -> int:
         """The chunk count of this call, validated before any exchange (every rank must get the same)."""
         if chunks is None:
-            if mode == "low_latency" and int(max_tokens_per_rank) >= _AUTO_CHUNKS_MIN_CAPACITY:
-                return _AUTO_CHUNKS
             return 1
         if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or int(chunks) < 1:
             raise ValueError(f"qmoe: argument 'chunks': expected an integer >= 1 or None, got {chunks!r}")

@@ -716,15 +716,15 @@ def test_chunks_capacity_error_before_any_exchange(chunks):
     assert group.calls == 0
 
 
-def test_default_chunks_follow_the_capacity():
-    """chunks=None: 2 chunks from max_tokens_per_rank >= 1024 (a value every rank shares), else 1;
+def test_default_is_one_chunk():
+    """chunks=None: one chunk (chunking is opt-in until measured on GPUs), whatever the capacity;
     the throughput mode never chunks."""
     ids, wts = _routing(5, 2, 4, seed=210)
     case = _case("w4a8_int4", ids, wts, num_experts=4)
     bounds = _bounds([3, 2])
-    for capacity, chunks in ((1024, 2), (1023, 1)):
+    for capacity in (1024, 1023):
         outs, used, calls = _run_ep_chunks(case, bounds, 2, capacity, None)
-        assert used[0][0] == chunks and calls == 2 * chunks
+        assert used[0][0] == 1 and calls == 2
         _check_equal_per_rank(case, bounds, outs)
     layer = ExpertParallelMoE(1, 0, 4, transport=LoopbackGroup(1).transport(0))
     assert layer._resolve_chunks(None, "throughput", None) == 1
