@@ -28,7 +28,7 @@ step "gemm checks"; {
   echo "hardware e4m3 conversion check rc=$?"
 } > "$OUT/checks.log" 2>&1; grep -E "FAIL|correctness|check rc|PASS" "$OUT/checks.log" | tail -12
 step "bench gemm"; python3 -m qmoe.cli bench gemm --models deepseek_v3,qwen3_235b_a22b,qwen3_30b_a3b,mixtral_8x7b \
-  --tokens 1,8,64,256,1024,4096 --iters 10 --out-dir "$RES" > "$OUT/bench.log" 2>&1; echo "bench gemm rc=$?"
+  --tokens 1,8,64,256,1024,4096,16384 --iters 10 --out-dir "$RES" > "$OUT/bench.log" 2>&1; echo "bench gemm rc=$?"
 step "bench moe"; python3 -m qmoe.cli bench moe --quant-mode ${QMOE_BENCH_MODES:-all} --budget-ms 80 --out-dir "$RES" >> "$OUT/bench.log" 2>&1
 echo "bench moe rc=$?"
 step "profile layer"; python3 bench/profile_layer.py >> "$OUT/bench.log" 2>&1; echo "profile rc=$?"
