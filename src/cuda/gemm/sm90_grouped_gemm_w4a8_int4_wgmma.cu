@@ -120,6 +120,52 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
 __device__ __forceinline__ void store_out(__nv_bfloat16* out, float v) { *out = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_out(float* out, float v) { *out = v; }
 
+// One pipeline stage (K group g of tile t) into shared memory at sa: TILE_N activation rows (128-byte
+// swizzle), the tile's 128 weight rows, their scales of group g; LOADERS threads (loader = 0..LOADERS-1)
+// share the 16-byte copies. Rows past the expert's end or past N are zero-filled, nothing read.
+template <int TILE_N, int LOADERS>
+__device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const GroupedTile& t, int g, uint32_t sa,
+                                           int loader) {
+  static_assert(LOADERS >= kTileM / 2 && LOADERS % 8 == 0, "a scale copy per row pair, whole activation rows");
+  constexpr int kRowsA = LOADERS / 8, kRowsW = LOADERS / 4;  // rows per pass: 8 and 4 chunks per row
+  const uint32_t sw = sa + Shape<TILE_N>::kStageA, ss = sw + kStageW;
+  const int a_row = loader / 8, a_chunk = loader % 8;
+  const int w_row = loader / 4, w_chunk = loader % 4;
+#pragma unroll
+  for (int i = 0; i < TILE_N / kRowsA; ++i) {
+    const int r = a_row + kRowsA * i;
+    const bool valid = r < t.rows;
+    const uint8_t* src = valid ? p.a + static_cast<int64_t>(t.row0 + r) * p.k + g * kGroup + a_chunk * 16 : p.a;
+    cp_async_16(sa + r * kGroup + ((a_chunk ^ (r & 7)) << 4), src, valid);
+  }
+  const int64_t w_row_bytes = p.k / 2;
+#pragma unroll
+  for (int i = 0; i < kTileM / kRowsW; ++i) {
+    const int r = w_row + kRowsW * i;
+    const bool valid = t.n0 + r < p.n;
+    const uint8_t* src =
+        valid ? p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + r) * w_row_bytes + g * (kGroup / 2) + w_chunk * 16
+              : p.b;
+    cp_async_16(sw + r * (kGroup / 2) + w_chunk * 16, src, valid);
+  }
+  if (p.scales_packed4) {
+    // Row pair (2 loader, 2 loader + 1): their 8-byte blocks of the 512-wide K block holding group g.
+    if (loader < kTileM / 2) {
+      const bool valid = t.n0 + 2 * loader < p.n;
+      const __nv_bfloat16* src =
+          valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / 512) + g / 4) * 4 * p.n + 4 * (t.n0 + 2 * loader)
+                : p.b_scales;
+      cp_async_16(ss + loader * 16, src, valid);
+    }
+  } else if (loader < kTileM / 8) {
+    const bool valid = t.n0 + 8 * loader < p.n;
+    const __nv_bfloat16* src =
+        valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / kGroup) + g) * p.n + t.n0 + 8 * loader
+              : p.b_scales;
+    cp_async_16(ss + loader * 16, src, valid);
+  }
+}
+
 template <class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const WgmmaGemmParams p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
@@ -148,48 +194,12 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const W
                                      p.expert_offsets);
   };
 
-  // ---- Producer: fixed (row, chunk) slots per thread.
-  const int64_t w_row_bytes = p.k / 2;
-  const int a_row = tid >> 3, a_chunk = tid & 7;  // + 32 rows per pass, 4 passes
-  const int w_row = tid >> 2, w_chunk = tid & 3;  // + 64 rows per pass, 2 passes
+  // ---- Producer: every thread copies its share of each stage (load_stage).
   GroupedTile load_tile{0, 0, 0, 0};
   auto issue_loads = [&](int it) {
     const int g = it % groups;
     if (g == 0) load_tile = tile_of(it / groups);
-    const GroupedTile& t = load_tile;
-    uint8_t* st = stages + (it % kStages) * S::kStageBytes;
-    const uint32_t sa = smem_u32(st), sw = sa + S::kStageA, ss = sw + kStageW;
-#pragma unroll
-    for (int i = 0; i < kTileN / 32; ++i) {
-      const int r = a_row + 32 * i;
-      const bool valid = r < t.rows;
-      const uint8_t* src = valid ? p.a + static_cast<int64_t>(t.row0 + r) * p.k + g * kGroup + a_chunk * 16 : p.a;
-      cp_async_16(sa + r * kGroup + ((a_chunk ^ (r & 7)) << 4), src, valid);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = w_row + 64 * i;
-      const bool valid = t.n0 + r < p.n;
-      const uint8_t* src =
-          valid ? p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + r) * w_row_bytes + g * (kGroup / 2) + w_chunk * 16
-                : p.b;
-      cp_async_16(sw + r * (kGroup / 2) + w_chunk * 16, src, valid);
-    }
-    if (p.scales_packed4) {
-      // Row pair (2 tid, 2 tid + 1): their 8-byte blocks of the 512-wide K block holding group g.
-      if (tid < kTileM / 2) {
-        const bool valid = t.n0 + 2 * tid < p.n;
-        const __nv_bfloat16* src =
-            valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / 512) + g / 4) * 4 * p.n + 4 * (t.n0 + 2 * tid)
-                  : p.b_scales;
-        cp_async_16(ss + tid * 16, src, valid);
-      }
-    } else if (tid < kTileM / 8) {
-      const bool valid = t.n0 + 8 * tid < p.n;
-      const __nv_bfloat16* src =
-          valid ? p.b_scales + (static_cast<int64_t>(t.expert) * groups + g) * p.n + t.n0 + 8 * tid : p.b_scales;
-      cp_async_16(ss + tid * 16, src, valid);
-    }
+    load_stage<kTileN, kThreads>(p, load_tile, g, smem_u32(stages + (it % kStages) * S::kStageBytes), tid);
   };
 
   // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {gid, gid + 8}.
@@ -370,46 +380,12 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
   if (wg == 0) {
     // ---- Loading warpgroup: stage it % kStages once the computing warpgroups released it.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    const int64_t w_row_bytes = p.k / 2;
-    const int a_row = tid >> 3, a_chunk = tid & 7;  // + 16 rows per pass
-    const int w_row = tid >> 2, w_chunk = tid & 3;  // + 32 rows per pass
     GroupedTile t{0, 0, 0, 0};
     for (int it = 0; it < total_iters; ++it) {
       const int g = it % groups, s = it % kStages;
       if (g == 0) t = tile_of(it / groups);
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-      const uint32_t sa = wgmma_prefill::smem_u32(stages + s * S::kStageBytes), sw = sa + S::kStageA,
-                     ss = sw + kStageW;
-#pragma unroll
-      for (int i = 0; i < TILE_N / 16; ++i) {
-        const int r = a_row + 16 * i;
-        const bool valid = r < t.rows;
-        const uint8_t* src = valid ? p.a + static_cast<int64_t>(t.row0 + r) * p.k + g * kGroup + a_chunk * 16 : p.a;
-        wgmma_prefill::cp_async_16(sa + r * kGroup + ((a_chunk ^ (r & 7)) << 4), src, valid);
-      }
-#pragma unroll
-      for (int i = 0; i < kTileM / 32; ++i) {
-        const int r = w_row + 32 * i;
-        const bool valid = t.n0 + r < p.n;
-        const uint8_t* src = valid ? p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + r) * w_row_bytes +
-                                         g * (kGroup / 2) + w_chunk * 16
-                                   : p.b;
-        wgmma_prefill::cp_async_16(sw + r * (kGroup / 2) + w_chunk * 16, src, valid);
-      }
-      if (p.scales_packed4) {
-        if (tid < kTileM / 2) {
-          const bool valid = t.n0 + 2 * tid < p.n;
-          const __nv_bfloat16* src =
-              valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / 512) + g / 4) * 4 * p.n + 4 * (t.n0 + 2 * tid)
-                    : p.b_scales;
-          wgmma_prefill::cp_async_16(ss + tid * 16, src, valid);
-        }
-      } else if (tid < kTileM / 8) {
-        const bool valid = t.n0 + 8 * tid < p.n;
-        const __nv_bfloat16* src =
-            valid ? p.b_scales + (static_cast<int64_t>(t.expert) * groups + g) * p.n + t.n0 + 8 * tid : p.b_scales;
-        wgmma_prefill::cp_async_16(ss + tid * 16, src, valid);
-      }
+      wgmma_prefill::load_stage<TILE_N, 128>(p, t, g, wgmma_prefill::smem_u32(stages + s * S::kStageBytes), tid);
       mbar_arrive_cp_async(&full[s]);
     }
     wgmma_prefill::cp_async_wait<0>();  // no copy outlives its thread
