@@ -1,0 +1,145 @@
+"""Hostile inputs at qmoe.moe_finalize (with and without row_index), CPU backend: the method and
+the machinery of test_hostile_inputs.py (one valid call checked against a numpy twin, then ONE
+mutation per call; rejected calls name the argument and write nothing, accepted ones match).
+
+Legal by design (include/qmoe/fused_moe.h): any expert id (outside [0, E) or the local range the
+slot is skipped), any routing-weight value (NaN propagates), any row_index value (outside [0, R) the
+slot is skipped), any row count R of `rows` when row_index is given.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qmoe import ops
+from qmoe import testing
+from test_hostile_inputs import (BF16, CALLS, HYPO, TENSOR_KINDS, Entry, _draw_array_arg, _maybe_recover, attempt, establish,
+                                 mutate_tensor, random_array)
+
+TOKENS, TOP_K, HIDDEN, EXPERTS, LOCAL, OFFSET = 5, 3, 64, 8, 4, 2
+EXPERT_ARGS = {"num_experts", "num_local_experts", "local_expert_offset"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_counts():
+    yield
+    mine = {k: n for k, n in CALLS.items() if k[0].startswith("moe_finalize")}
+    lines = [f"  {entry:28s} {outcome:9s} {n}" for (entry, outcome), n in sorted(mine.items())]
+    print(f"\n[test_hostile_finalize] {sum(mine.values())} mutated calls\n" + "\n".join(lines))
+
+
+def finalize_twin(kw):
+    """out[t] = round_out(rsf * sum_j fp32(w[t, j] * row(t*k + j))) in slot order, fp32 without fma,
+    over the slots whose expert is valid and local (and whose row index is inside rows)."""
+    rows = np.asarray(kw["rows"]).astype(np.float32)
+    ids, w = np.asarray(kw["topk_ids"]), np.asarray(kw["topk_weights"], np.float32)
+    tokens, top_k = ids.shape
+    experts = int(kw["num_experts"])
+    local = int(kw.get("num_local_experts") or experts)
+    offset = int(kw.get("local_expert_offset", 0))
+    index = kw.get("row_index")
+    index = None if index is None else np.asarray(index).reshape(-1)
+    acc = np.zeros((tokens, rows.shape[1]), np.float32)
+    for t in range(tokens):
+        for j in range(top_k):
+            s, e = t * top_k + j, int(ids[t, j])
+            r = s if index is None else int(index[s])
+            if 0 <= e < experts and offset <= e < offset + local and 0 <= r < rows.shape[0]:
+                acc[t] = acc[t] + np.float32(w[t, j]) * rows[r]
+    out = np.float32(kw.get("routed_scaling_factor", 1.0)) * acc
+    return {"out": out.astype(np.asarray(kw["out"]).dtype)}
+
+
+@functools.lru_cache(maxsize=None)
+def finalize_entry(with_index):
+    ids, weights = testing.make_routing(TOKENS, TOP_K, EXPERTS, seed=31, distinct=True, out_of_range=1, minus_one=1)
+    rng = np.random.default_rng(32)
+    n_rows = 9 if with_index else TOKENS * TOP_K
+    kw = dict(rows=rng.standard_normal((n_rows, HIDDEN)).astype(BF16), topk_ids=ids,
+              topk_weights=weights.astype(np.float32), num_experts=EXPERTS, num_local_experts=LOCAL,
+              local_expert_offset=OFFSET, routed_scaling_factor=1.5, out=np.zeros((TOKENS, HIDDEN), BF16))
+    if with_index:
+        index = rng.integers(0, n_rows, size=TOKENS * TOP_K).astype(np.int32)
+        index[[1, 7]] = [-1, n_rows + 3]  # skipped slots
+        kw["row_index"] = index
+
+    def call(kw):
+        got = ops.moe_finalize(**kw)
+        assert got is kw["out"]
+        return {"out": got}
+
+    accepted = dict(rows={"bfloat16"}, topk_ids={"int32"}, topk_weights={"float32"}, row_index={"int32"},
+                    out={"bfloat16", "float16", "float32"})
+    names = {"out": {"output"}, **{n: EXPERT_ARGS for n in EXPERT_ARGS}}
+    entry = Entry(f"moe_finalize[{'row_index' if with_index else 'slots'}]", call, kw, ("out",), finalize_twin,
+                  accepted, names, tol=1e-6)
+    return establish(entry)
+
+
+FINALIZE_BAD_SCALARS = {
+    "num_experts": [0, -1, 5],           # 5: the local range [2, 6) does not fit
+    "num_local_experts": [-1, 7, 9],
+    "local_expert_offset": [-1, 5, 2**40],
+    "routed_scaling_factor": [np.nan, np.inf, -np.inf],
+}
+
+
+@settings(max_examples=1500, **HYPO)
+@given(st.data())
+def test_moe_finalize_hostile(data):
+    with_index = data.draw(st.booleans(), label="row_index")
+    entry = finalize_entry(with_index)
+    kw = dict(entry.kw)
+    what = data.draw(st.sampled_from(["tensor"] * 4 + ["alias", "scalar", "ids", "weights"] +
+                                     (["index_values", "row_count"] if with_index else [])), label="what")
+    if what in ("tensor", "alias"):
+        arg = _draw_array_arg(data, entry)
+        kinds = TENSOR_KINDS if what == "tensor" else ("alias",)
+        if with_index and arg == "rows" and what == "tensor":
+            kinds = tuple(k for k in kinds if k not in ("grow", "shrink", "empty"))  # any R is legal: row_count
+        mutate_tensor(data, entry, arg, kinds)
+    elif what == "scalar":
+        name = data.draw(st.sampled_from(sorted(FINALIZE_BAD_SCALARS)), label="scalar")
+        kw[name] = data.draw(st.sampled_from(FINALIZE_BAD_SCALARS[name]), label="value")
+        attempt(entry, kw, name, legal=False)
+    elif what == "ids":
+        ids = kw["topk_ids"].copy()
+        for _ in range(data.draw(st.integers(1, ids.size))):
+            ids.reshape(-1)[data.draw(st.integers(0, ids.size - 1))] = data.draw(
+                st.integers(-3, 11) | st.integers(-2**31, 2**31 - 1), label="id")
+        kw["topk_ids"] = ids
+        attempt(entry, kw, "topk_ids", legal=True, compare="twin")
+    elif what == "weights":
+        w = kw["topk_weights"].copy()
+        w.reshape(-1)[data.draw(st.integers(0, w.size - 1))] = data.draw(
+            st.sampled_from([0.0, -0.0, -1.0, np.nan, np.inf, 1e-45, 1e30]), label="weight")
+        kw["topk_weights"] = w
+        attempt(entry, kw, "topk_weights", legal=True, compare="twin")
+    elif what == "index_values":
+        index = kw["row_index"].copy()
+        for _ in range(data.draw(st.integers(1, 4))):
+            index[data.draw(st.integers(0, index.size - 1))] = data.draw(
+                st.integers(-2, 12) | st.integers(-2**31, 2**31 - 1), label="index")
+        kw["row_index"] = index
+        attempt(entry, kw, "row_index", legal=True, compare="twin")
+    else:  # row_count: rows [R', H] for any R' >= 0; indices past R' skip their slot
+        count = data.draw(st.integers(0, 14), label="rows")
+        kw["rows"] = random_array((count, HIDDEN), BF16, data.draw(st.integers(0, 2**16), label="seed"))
+        kw["rows"][np.isnan(kw["rows"].astype(np.float32))] = 0  # random bytes: keep the values finite
+        attempt(entry, kw, "rows", legal=True, compare="twin")
+    _maybe_recover(data, entry)
+
+
+def test_row_index_shapes():
+    """row_index is [T*k] or [T, k] (same result); any other shape names row_index."""
+    entry = finalize_entry(True)
+    kw = dict(entry.kw)
+    kw["row_index"] = kw["row_index"].reshape(TOKENS, TOP_K)
+    attempt(entry, kw, "row_index", legal=True)
+    for shape in ((TOP_K, TOKENS), (1, TOKENS * TOP_K), (TOKENS * TOP_K - 1,)):
+        kw["row_index"] = np.zeros(shape, np.int32)
+        attempt(entry, kw, "row_index", legal=False)
