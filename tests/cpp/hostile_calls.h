@@ -312,6 +312,76 @@ struct FusedCall {
   }
 };
 
+// ---- moe_finalize (rows in slot order, or through row_index) ----------------------------------
+// Seeds with bit 0 set take row_index (rows [R, H], R != T*k; the rows slot is then not mutated:
+// any R is legal with an index, and the Python hostile test covers R). Experts: E = 8, local [2, 6).
+struct FinalizeCall {
+  int64_t T, K, H = 16, R, E = 8;
+  bool indexed;
+  std::vector<uint8_t> rows, ids, wts, out, index;
+  qmoe::MoeFinalizeParams p;
+
+  explicit FinalizeCall(uint64_t seed) {
+    Rng rng(seed);
+    indexed = (seed & 1) != 0;
+    T = 1 + rng.below(5);
+    K = (indexed ? 2 : 1) + rng.below(3);  // k >= 2 with an index: [T*k, 1] is then not the legal [T, k]
+    R = indexed ? 1 + rng.below(12) : T * K;
+    rows.resize(static_cast<size_t>(R * H * 2));
+    for (size_t i = 0; i < rows.size(); i += 2) {
+      const uint16_t v = qmoe::float_to_bf16(rng.uni(-2.0f, 2.0f));
+      std::memcpy(&rows[i], &v, 2);
+    }
+    ids.resize(static_cast<size_t>(T * K * 4));
+    wts.resize(static_cast<size_t>(T * K * 4));
+    index.resize(static_cast<size_t>(T * K * 4));
+    for (int64_t s = 0; s < T * K; ++s) {
+      const int32_t id = static_cast<int32_t>(rng.below(E + 2)) - 1;  // -1 and E: dropped
+      const float w = rng.uni(0.1f, 1.0f);
+      const int32_t r = static_cast<int32_t>(rng.below(R + 2)) - 1;  // -1 and R: skipped
+      std::memcpy(&ids[static_cast<size_t>(4 * s)], &id, 4);
+      std::memcpy(&wts[static_cast<size_t>(4 * s)], &w, 4);
+      std::memcpy(&index[static_cast<size_t>(4 * s)], &r, 4);
+    }
+    out.assign(static_cast<size_t>(T * H * 4), 0xAA);
+    const DType out_dtype = rng.below(2) ? DType::kFloat32 : DType::kBFloat16;
+    p.rows = qmoe::make_tensor(rows.data(), DType::kBFloat16, {R, H});
+    p.topk_ids = qmoe::make_tensor(ids.data(), DType::kInt32, {T, K});
+    p.topk_weights = qmoe::make_tensor(wts.data(), DType::kFloat32, {T, K});
+    p.output = qmoe::make_tensor(out.data(), out_dtype, {T, H});
+    if (indexed) p.row_index = qmoe::make_tensor(index.data(), DType::kInt32, {T * K});
+    p.num_experts = E;
+    p.num_local_experts = 4;
+    p.local_expert_offset = 2;
+    p.routed_scaling_factor = 1.25f;
+  }
+  Target target() {
+    Target t;
+    t.label = indexed ? "moe_finalize[row_index]" : "moe_finalize[slots]";
+    t.slots = {{"topk_ids", &p.topk_ids, false, {DType::kInt32}},
+               {"topk_weights", &p.topk_weights, false, {DType::kFloat32}},
+               {"output", &p.output, true, {DType::kBFloat16, DType::kFloat16, DType::kFloat32}}};
+    if (indexed) {
+      t.slots.push_back({"row_index", &*p.row_index, false, {DType::kInt32}});
+    } else {
+      t.slots.push_back({"rows", &p.rows, false, {DType::kBFloat16}});
+    }
+    t.scalars = {"num_experts", "num_local_experts", "local_expert_offset", "routed_scaling_factor"};
+    t.run = [this] { qmoe::moe_finalize(p); };
+    for (auto* v : {&rows, &ids, &wts, &out, &index}) t.memory.emplace_back(v->data(), v->size());
+    t.bad_scalar = [this](Rng& rng, const std::string& name) {
+      // Each value fails the first check that names its own argument.
+      if (name == "num_experts") p.num_experts = rng.below(2) ? 0 : -5;
+      if (name == "num_local_experts") p.num_local_experts = rng.below(2) ? -1 : INT64_MIN;
+      if (name == "local_expert_offset") p.local_expert_offset = rng.below(2) ? -1 : INT64_MIN;
+      if (name == "routed_scaling_factor")
+        p.routed_scaling_factor = rng.below(2) ? std::numeric_limits<float>::quiet_NaN()
+                                               : -std::numeric_limits<float>::infinity();
+    };
+    return t;
+  }
+};
+
 // ---- formats.h array functions -----------------------------------------------------------------
 struct FormatsCall {
   int fn;
