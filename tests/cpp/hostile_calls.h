@@ -312,6 +312,34 @@ struct FusedCall {
   }
 };
 
+// ---- moe_expert_rows: the fused call's inputs, per-slot rows out (no output, weights or rsf) ----
+struct ExpertRowsCall {
+  FusedCall f;
+  std::vector<uint8_t> rows;
+  TensorRef t_rows;
+
+  explicit ExpertRowsCall(uint64_t seed) : f(seed) {
+    const int64_t slots = f.cs.c.T * f.cs.c.k, hidden = f.cs.c.H;
+    rows.assign(static_cast<size_t>(slots * hidden * 2), 0xAA);
+    t_rows = qmoe::make_tensor(rows.data(), DType::kBFloat16, {slots, hidden});
+  }
+  Target target() {
+    Target t = f.target();
+    t.label = std::string("moe_expert_rows[") + qmoe::quant_mode_name(f.cs.c.mode) + "]";
+    // p.output and p.routed_scaling_factor are not used by moe_expert_rows (fused_moe.h).
+    for (size_t i = 0; i < t.slots.size(); ++i)
+      if (t.slots[i].name == "output") t.slots.erase(t.slots.begin() + static_cast<std::ptrdiff_t>(i));
+    t.slots.push_back({"rows", &t_rows, true, {DType::kBFloat16}});
+    std::vector<std::string> scalars;
+    for (const auto& n : t.scalars)
+      if (n != "routed_scaling_factor") scalars.push_back(n);
+    t.scalars = scalars;
+    t.run = [this] { qmoe::moe_expert_rows(f.p, t_rows); };
+    t.memory.emplace_back(rows.data(), rows.size());
+    return t;
+  }
+};
+
 // ---- moe_finalize (rows in slot order, or through row_index) ----------------------------------
 // Seeds with bit 0 set take row_index (rows [R, H], R != T*k; the rows slot is then not mutated:
 // any R is legal with an index, and the Python hostile test covers R). Experts: E = 8, local [2, 6).

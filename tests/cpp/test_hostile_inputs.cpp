@@ -1,8 +1,8 @@
 // Hostile inputs over the C++ API (reliability issue, parts 1 and 6), CPU backend.
 //
 // A seeded generator builds a VALID call of each public entry (get_cutlass_w4a8_moe_mm_data,
-// cutlass_w4a8_moe_mm, fused_moe in every quant mode, moe_finalize with and without row_index, the
-// array functions of formats.h), then
+// cutlass_w4a8_moe_mm, fused_moe and moe_expert_rows in every quant mode, moe_finalize with and
+// without row_index, the array functions of formats.h), then
 // changes ONE thing: a TensorRef field (dtype, dtype/device values outside the enums, ndim outside
 // [0, 8], a negative / grown / zero / huge size, a stride, a negative stride, a null data pointer,
 // the device, an extra axis, an output pointing into an input, misaligned CUDA pointers) or a
@@ -223,6 +223,7 @@ TEST(HostileInputs, W4A8MoeMm) { hostile_loop<GemmCall>("w4a8_moe_mm", 3000, 2);
 TEST(HostileInputs, FusedMoe) { hostile_loop<FusedCall>("fused_moe", 2000, 3); }
 TEST(HostileInputs, Formats) { hostile_loop<FormatsCall>("formats", 3000, 4); }
 TEST(HostileInputs, MoeFinalize) { hostile_loop<FinalizeCall>("moe_finalize", 3000, 5); }
+TEST(HostileInputs, MoeExpertRows) { hostile_loop<ExpertRowsCall>("moe_expert_rows", 2000, 6); }
 
 namespace {
 
