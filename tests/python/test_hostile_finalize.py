@@ -1,6 +1,7 @@
-"""Hostile inputs at qmoe.moe_finalize (with and without row_index), CPU backend: the method and
-the machinery of test_hostile_inputs.py (one valid call checked against a numpy twin, then ONE
-mutation per call; rejected calls name the argument and write nothing, accepted ones match).
+"""Hostile inputs at the two halves of the deterministic layer, CPU backend: qmoe.moe_finalize (with
+and without row_index) and qmoe.moe_expert_rows. The method and the machinery of
+test_hostile_inputs.py (one valid call checked against a numpy twin, then ONE mutation per call;
+rejected calls name the argument and write nothing, accepted ones match).
 
 Legal by design (include/qmoe/fused_moe.h): any expert id (outside [0, E) or the local range the
 slot is skipped), any routing-weight value (NaN propagates), any row_index value (outside [0, R) the
@@ -17,8 +18,9 @@ from hypothesis import strategies as st
 
 from qmoe import ops
 from qmoe import testing
-from test_hostile_inputs import (BF16, CALLS, HYPO, TENSOR_KINDS, Entry, _draw_array_arg, _maybe_recover, attempt, establish,
-                                 mutate_tensor, random_array)
+from qmoe import reference as ref
+from test_hostile_inputs import (_FUSED_ACCEPTED, BF16, CALLS, FUSED_MODES, HYPO, TENSOR_KINDS, Entry, _draw_array_arg,
+                                 _maybe_recover, attempt, establish, mutate_tensor, random_array)
 
 TOKENS, TOP_K, HIDDEN, EXPERTS, LOCAL, OFFSET = 5, 3, 64, 8, 4, 2
 EXPERT_ARGS = {"num_experts", "num_local_experts", "local_expert_offset"}
@@ -27,7 +29,7 @@ EXPERT_ARGS = {"num_experts", "num_local_experts", "local_expert_offset"}
 @pytest.fixture(scope="module", autouse=True)
 def _report_counts():
     yield
-    mine = {k: n for k, n in CALLS.items() if k[0].startswith("moe_finalize")}
+    mine = {k: n for k, n in CALLS.items() if k[0].startswith(("moe_finalize", "moe_expert_rows"))}
     lines = [f"  {entry:28s} {outcome:9s} {n}" for (entry, outcome), n in sorted(mine.items())]
     print(f"\n[test_hostile_finalize] {sum(mine.values())} mutated calls\n" + "\n".join(lines))
 
@@ -143,3 +145,65 @@ def test_row_index_shapes():
     for shape in ((TOP_K, TOKENS), (1, TOKENS * TOP_K), (TOKENS * TOP_K - 1,)):
         kw["row_index"] = np.zeros(shape, np.int32)
         attempt(entry, kw, "row_index", legal=False)
+
+
+# ---- moe_expert_rows: checked through moe_finalize(rows) == the numpy fused_moe(deterministic) ----
+ROWS_BAD_SCALARS = {
+    "quant_mode": ["w4a8_int5", "", "nvfp4"],
+    "activation": ["silu", ""],
+    "gate_up_layout": ["interleaved", ""],
+    "num_experts": [0, -1, 5],
+    "num_local_experts": [-1, 3, 9],
+    "local_expert_offset": [-1, 5],
+    "tactic": ["not_a_tactic", "decode_m128_n8_k256"],  # the CPU engine has no tactics
+}
+
+
+@functools.lru_cache(maxsize=None)
+def expert_rows_entry(mode):
+    case = testing.make_fused_moe_case(mode, 5, 256, 128, 8, 2, seed=40 + FUSED_MODES.index(mode),
+                                       num_local_experts=4, local_expert_offset=2, out_of_range=1, minus_one=1)
+    weights = case["topk_weights"]
+    kw = {k: v for k, v in case.items() if v is not None and k != "topk_weights"}
+    kw["rows"] = np.zeros((case["topk_ids"].size, 256), BF16)
+
+    def call(kw):
+        rows = ops.moe_expert_rows(**kw)
+        assert rows is kw["rows"]
+        # Rows of dropped or non-local slots stay unwritten (poisoned): moe_finalize never reads them.
+        return {"out": ops.moe_finalize(rows, kw["topk_ids"], weights, num_experts=kw["num_experts"],
+                                        num_local_experts=kw["num_local_experts"],
+                                        local_expert_offset=kw["local_expert_offset"])}
+
+    def twin(kw):
+        return {"out": ref.fused_moe(**{k: v for k, v in kw.items() if k != "rows"}, topk_weights=weights,
+                                     deterministic=True)}
+
+    accepted = dict(_FUSED_ACCEPTED[mode], topk_ids={"int32"}, w1_alpha={"float32"}, w2_alpha={"float32"},
+                    rows={"bfloat16"})
+    names = {n: EXPERT_ARGS | ({"w1", "w2", "w1_scale", "w2_scale", "w1_alpha", "w2_alpha"}
+                               if n == "num_local_experts" else set()) for n in EXPERT_ARGS}
+    return establish(Entry(f"moe_expert_rows[{mode}]", call, kw, ("rows",), twin, accepted, names,
+                           testing.tolerance(mode)))
+
+
+@settings(max_examples=1200, **HYPO)
+@given(st.data())
+def test_moe_expert_rows_hostile(data):
+    entry = expert_rows_entry(data.draw(st.sampled_from(FUSED_MODES), label="mode"))
+    kw = dict(entry.kw)
+    what = data.draw(st.sampled_from(["tensor"] * 4 + ["alias", "scalar", "ids"]), label="what")
+    if what in ("tensor", "alias"):
+        mutate_tensor(data, entry, _draw_array_arg(data, entry), TENSOR_KINDS if what == "tensor" else ("alias",))
+    elif what == "scalar":
+        name = data.draw(st.sampled_from(sorted(ROWS_BAD_SCALARS)), label="scalar")
+        kw[name] = data.draw(st.sampled_from(ROWS_BAD_SCALARS[name]), label="value")
+        attempt(entry, kw, name, legal=False)
+    else:  # any id: outside [0, E) or the local range the slot has no row
+        ids = kw["topk_ids"].copy()
+        for _ in range(data.draw(st.integers(1, ids.size))):
+            ids.reshape(-1)[data.draw(st.integers(0, ids.size - 1))] = data.draw(
+                st.integers(-3, 11) | st.integers(-2**31, 2**31 - 1), label="id")
+        kw["topk_ids"] = ids
+        attempt(entry, kw, "topk_ids", legal=True, compare="twin")
+    _maybe_recover(data, entry)
