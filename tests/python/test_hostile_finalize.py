@@ -20,7 +20,8 @@ from qmoe import ops
 from qmoe import testing
 from qmoe import reference as ref
 from test_hostile_inputs import (_FUSED_ACCEPTED, BF16, CALLS, FUSED_MODES, HYPO, TENSOR_KINDS, Entry, _draw_array_arg,
-                                 _maybe_recover, attempt, establish, mutate_tensor, random_array)
+                                 _maybe_recover, attempt, check_any_ids, check_any_weights, establish,
+                                 mutate_tensor, random_array)
 
 TOKENS, TOP_K, HIDDEN, EXPERTS, LOCAL, OFFSET = 5, 3, 64, 8, 4, 2
 EXPERT_ARGS = {"num_experts", "num_local_experts", "local_expert_offset"}
@@ -109,18 +110,9 @@ def test_moe_finalize_hostile(data):
         kw[name] = data.draw(st.sampled_from(FINALIZE_BAD_SCALARS[name]), label="value")
         attempt(entry, kw, name, legal=False)
     elif what == "ids":
-        ids = kw["topk_ids"].copy()
-        for _ in range(data.draw(st.integers(1, ids.size))):
-            ids.reshape(-1)[data.draw(st.integers(0, ids.size - 1))] = data.draw(
-                st.integers(-3, 11) | st.integers(-2**31, 2**31 - 1), label="id")
-        kw["topk_ids"] = ids
-        attempt(entry, kw, "topk_ids", legal=True, compare="twin")
+        check_any_ids(data, entry, kw)
     elif what == "weights":
-        w = kw["topk_weights"].copy()
-        w.reshape(-1)[data.draw(st.integers(0, w.size - 1))] = data.draw(
-            st.sampled_from([0.0, -0.0, -1.0, np.nan, np.inf, 1e-45, 1e30]), label="weight")
-        kw["topk_weights"] = w
-        attempt(entry, kw, "topk_weights", legal=True, compare="twin")
+        check_any_weights(data, entry, kw)
     elif what == "index_values":
         index = kw["row_index"].copy()
         for _ in range(data.draw(st.integers(1, 4))):
@@ -200,10 +192,5 @@ def test_moe_expert_rows_hostile(data):
         kw[name] = data.draw(st.sampled_from(ROWS_BAD_SCALARS[name]), label="value")
         attempt(entry, kw, name, legal=False)
     else:  # any id: outside [0, E) or the local range the slot has no row
-        ids = kw["topk_ids"].copy()
-        for _ in range(data.draw(st.integers(1, ids.size))):
-            ids.reshape(-1)[data.draw(st.integers(0, ids.size - 1))] = data.draw(
-                st.integers(-3, 11) | st.integers(-2**31, 2**31 - 1), label="id")
-        kw["topk_ids"] = ids
-        attempt(entry, kw, "topk_ids", legal=True, compare="twin")
+        check_any_ids(data, entry, kw)
     _maybe_recover(data, entry)

@@ -479,6 +479,28 @@ def mutate_tensor(data, entry, arg, kinds):
 TENSOR_KINDS = ("dtype", "extra_axis", "flatten", "grow", "shrink", "empty", "strided", "fortran", "misaligned")
 
 
+def check_any_ids(data, entry, kw):
+    """Expert ids anywhere in int32: legal by design (outside [0, E) or the local range a slot is
+    dropped); the result must match the numpy twin."""
+    kw = dict(kw)
+    ids = kw["topk_ids"].copy()
+    for _ in range(data.draw(st.integers(1, ids.size))):
+        ids.reshape(-1)[data.draw(st.integers(0, ids.size - 1))] = data.draw(
+            st.integers(-3, 11) | st.integers(-2**31, 2**31 - 1), label="id")
+    kw["topk_ids"] = ids
+    attempt(entry, kw, "topk_ids", legal=True, compare="twin")
+
+
+def check_any_weights(data, entry, kw):
+    """One routing weight of 0, -0, -1, NaN, Inf, a denormal or 1e30: legal (NaN propagates)."""
+    kw = dict(kw)
+    w = kw["topk_weights"].copy()
+    w.reshape(-1)[data.draw(st.integers(0, w.size - 1))] = data.draw(
+        st.sampled_from([0.0, -0.0, -1.0, np.nan, np.inf, 1e-45, 1e30]), label="weight")
+    kw["topk_weights"] = w
+    attempt(entry, kw, "topk_weights", legal=True, compare="twin")
+
+
 def _draw_array_arg(data, entry):
     return data.draw(st.sampled_from(sorted(entry.arrays())), label="arg")
 
@@ -617,18 +639,9 @@ def test_fused_moe_hostile(data):
         attempt(entry, kw, name, legal=False)
     elif what == "ids":
         # Ids outside [0, E) and outside the local range are dropped by design.
-        ids = kw["topk_ids"].copy()
-        for _ in range(data.draw(st.integers(1, ids.size))):
-            ids.reshape(-1)[data.draw(st.integers(0, ids.size - 1))] = data.draw(
-                st.integers(-3, 11) | st.integers(-2**31, 2**31 - 1), label="id")
-        kw["topk_ids"] = ids
-        attempt(entry, kw, "topk_ids", legal=True, compare="twin")
+        check_any_ids(data, entry, kw)
     elif what == "weights":
-        w = kw["topk_weights"].copy()
-        w.reshape(-1)[data.draw(st.integers(0, w.size - 1))] = data.draw(
-            st.sampled_from([0.0, -0.0, -1.0, np.nan, np.inf, 1e-45, 1e30]), label="weight")
-        kw["topk_weights"] = w
-        attempt(entry, kw, "topk_weights", legal=True, compare="twin")
+        check_any_weights(data, entry, kw)
     elif what == "scale_values":
         names = [n for n in ("x_scale", "w1_alpha", "w2_alpha", "fc2_input_scale", "per_token_scale")
                  if isinstance(kw.get(n), np.ndarray) and kw[n].dtype == np.float32]
