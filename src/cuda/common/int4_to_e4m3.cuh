@@ -1,6 +1,6 @@
-// Register converters from packed signed int4 to e4m3 operands of the FP8 MMA.
+// Register converter from packed signed int4 to e4m3 operands of the FP8 WGMMA.
 //
-// 1. int4x8_to_e4m3x8 (exact values):  (one 32-bit word, element i in bits [4i, 4i+4), i.e.
+// int4x8_to_e4m3x8 (exact values):  (one 32-bit word, element i in bits [4i, 4i+4), i.e.
 // the even K index in the low nibble) -> 8 e4m3 bytes in two 32-bit words (elements 0..3 in `lo`,
 // 4..7 in `hi`, element i in byte i % 4). Exact: every int4 value is an e4m3 value.
 //
@@ -9,13 +9,6 @@
 // byte the negative candidate when the nibble's bit 3 (the sign) is set: the sign, moved to bit 2
 // of a selector nibble, turns "byte i of the positive word" into "byte i of the negative word".
 // Cost: 11 integer instructions per 8 elements.
-//
-// 2. int4x8_to_biased_e4m3x8 (3 instructions per 8 elements): the e4m3 codes 0x00..0x0F are the
-// subnormals and the first normal binade, which share one spacing: code u means u * 2^-9 exactly.
-// So the byte (q XOR 8) = q + 8 in [0, 15] encodes (q + 8) * 2^-9, and an MMA over these bytes gives
-// 2^-9 * (sum A*q + 8 * sum A); adding one MMA with all weights = code 0x88 (-8 * 2^-9) removes the
-// bias exactly, and the scale absorbs 2^9. The bytes come out as even K (nibbles 0, 2, 4, 6) and
-// odd K (1, 3, 5, 7), so the activations are split the same way (e4m3x8_split_even_odd).
 #pragma once
 
 #include <cstdint>
@@ -49,22 +42,6 @@ __device__ __forceinline__ void int4x8_to_e4m3x8(uint32_t packed, uint32_t& lo, 
   const uint32_t select = ((packed >> 1) & 0x44444444u) | 0x32103210u;
   lo = int4x4_to_e4m3x4(index, select);
   hi = int4x4_to_e4m3x4(index >> 16, select >> 16);
-}
-
-constexpr uint32_t kE4m3MinusEightSub = 0x88888888u;  // four e4m3 -8 * 2^-9
-constexpr float kBiasedUnit = 512.f;                  // 2^9: biased codes count in units of 2^-9
-
-// packed: int4 elements 0..7 (element i in bits [4i, 4i + 4)). even: codes of elements 0, 2, 4, 6;
-// odd: 1, 3, 5, 7 (byte m = element 2m or 2m + 1), each code = (q + 8) as a biased e4m3 subnormal.
-__device__ __forceinline__ void int4x8_to_biased_e4m3x8(uint32_t packed, uint32_t& even, uint32_t& odd) {
-  even = (packed & 0x0F0F0F0Fu) ^ 0x08080808u;
-  odd = ((packed >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u;
-}
-
-// lo, hi: 8 consecutive e4m3 bytes (elements 0..3, 4..7) -> even (0, 2, 4, 6) and odd (1, 3, 5, 7).
-__device__ __forceinline__ void e4m3x8_split_even_odd(uint32_t lo, uint32_t hi, uint32_t& even, uint32_t& odd) {
-  even = prmt(lo, hi, 0x6420u);
-  odd = prmt(lo, hi, 0x7531u);
 }
 
 }  // namespace qmoe::cuda

@@ -34,10 +34,19 @@ namespace {
 using w4a8::Config;
 using w4a8::sm90_grouped_gemm_w4a8_int4_kernel;
 
+// Every tactic splits the K groups of a stage over 2 warps (twice the warps per weight tile: more
+// loads and conversions in flight per SM). One value for all mma.sync tactics keeps their results
+// bitwise identical to each other (the order of the fp32 sums depends on it, not on the tile).
+#ifndef QMOE_W4A8_WARPS_K
+#define QMOE_W4A8_WARPS_K 2
+#endif
+constexpr int kWarpsK = QMOE_W4A8_WARPS_K;
+
 template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
 void launch_typed(const W4A8GemmParams& params, int64_t rows, int device, cudaStream_t stream) {
-  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
-  constexpr auto kernel = sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>;
+  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, kWarpsK>;
+  constexpr auto kernel =
+      sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, kWarpsK, MIN_BLOCKS>;
   const int fit = resident_ctas<kernel>(Cfg::kThreads, Cfg::kSmemBytes, device, "occupancy of the w4a8 grouped gemm");
   // Upper bound of the tiles (the real count is only known on the device): every expert may add
   // one partial token tile.
@@ -121,7 +130,7 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   } else if (is(Family::kDecode, 64, 32, 512)) {
     launch<4, 1, 1, 4, 4, 3, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kPrefill, 128, 64, 256)) {
-    launch<2, 2, 4, 4, 2, 3, 2>(params, fp32_out, rows, device, stream);
+    launch<2, 2, 4, 4, 2, 3, 1>(params, fp32_out, rows, device, stream);  // 8 warps x ~170 registers: one CTA per SM
   } else if (is(Family::kPrefill, 128, 128, 128) || is(Family::kPrefill, 128, 64, 128)) {
     // WGMMA kernel (sm90_grouped_gemm_w4a8_int4_wgmma.cu): 128 weight rows x 128 or 64 tokens.
     WgmmaGemmParams w;

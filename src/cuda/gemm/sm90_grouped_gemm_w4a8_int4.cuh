@@ -19,7 +19,7 @@
 // read on the device (no host sync). Limits: K % 128 == 0, N % 8 == 0, E <= 1024, 16-byte aligned
 // base pointers.
 //
-// Structure (swap-AB): the MMA (mma.sync m16n8k32 e4m3, fp32 accumulate) M side holds weight
+// Structure (swap-AB): the MMA (mma.sync m16n8k16 fp16, fp32 accumulate) M side holds weight
 // rows (output features), the N side tokens, so a decode tile of 8 tokens wastes no weight bytes.
 // Persistent CTAs walk the flattened work list (expert, feature tile, token tile), whose prefix
 // sums every CTA computes in shared memory from problem_sizes, so empty experts produce no work.
@@ -30,15 +30,15 @@
 // an expert's end and feature rows past N are zero-filled (never read) and never stored.
 //
 // K order inside a group: thread `tig` (lane % 4) of every MMA owns K [32*tig, 32*tig + 32) of
-// the group, i.e. one 16-byte word of the weight row and 32 bytes of each activation row; MMA step
-// j (of 4) uses 8 of them, split into even and odd K on both operands alike, so the products pair
-// up correctly whatever the hardware order of K slots is.
-// Weights enter the MMA as biased subnormal codes (q + 8) * 2^-9 (src/cuda/common/int4_to_e4m3.cuh:
-// 3 instructions per 8 weights instead of 11 for a 16-entry table); one extra MMA per token
-// fragment with weights -8 * 2^-9 (the same for all rows) cancels the bias, and the group scale
-// absorbs 2^9. Every product is exact; the two fp32 sums round as fp32 sums do, and their
-// difference can lose a few bits against sum A*q when the activations have a large mean (far inside
-// the 1e-2 tolerance; bit-identical to the CPU reference on the random test data).
+// the group, i.e. one 16-byte word of the weight row and 32 bytes of each activation row; step j
+// (of 4) uses 8 of them in two fp16 MMAs, whose K slots hold the pairs (0, 4), (2, 6) and (1, 5),
+// (3, 7) on both operands alike, so the products pair up whatever the hardware order of K slots is.
+// Why fp16 and not fp8 (Hopper has no fp8 mma.sync), and how weights become fp16 operands with a
+// mask (biased subnormal codes (q + 8) * 2^-24, activations of the odd slots / 16): int4_to_f16.cuh.
+// One extra MMA pair per token fragment with weights -8 (the same for all rows) cancels the bias,
+// and the group scale absorbs 2^24. Every product is exact; the two fp32 sums round as fp32 sums
+// do, and their difference can lose a few bits against sum A*q when the activations have a large
+// mean (far inside the 1e-2 tolerance).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -48,7 +48,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "cuda/common/int4_to_e4m3.cuh"
+#include "cuda/common/int4_to_f16.cuh"
 #include "cuda/gemm/grouped_gemm_epilogue.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/common/pdl.cuh"
@@ -94,18 +94,21 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
+// fp16 m16n8k16, fp32 accumulate (int4_to_f16.cuh says why fp16 on Hopper).
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES>
+// WARPS_K: warps splitting the K groups of a stage (warp k takes the groups g with g % WARPS_K == k);
+// their sums meet in shared memory at the end of a tile (kSplitBytes).
+template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K>
 struct Config {
-  static constexpr int kThreads = WARPS_M * WARPS_N * 32;
+  static constexpr int kThreads = WARPS_M * WARPS_N * WARPS_K * 32;
   static constexpr int kTileM = WARPS_M * MF * 16;  // weight rows (output features)
   static constexpr int kTileN = WARPS_N * NF * 8;   // tokens
   static constexpr int kTileK = GPS * kGroup;       // K per pipeline stage
@@ -119,7 +122,9 @@ struct Config {
       kScaleBlocks * kTileM * 8 > GPS * kTileM * 2 ? kScaleBlocks * kTileM * 8 : GPS * kTileM * 2;
   static constexpr int kStageBytes = kStageB + kStageA + kStageS;
   static constexpr int kTileStartBytes = ((kMaxExperts + 1) * 4 + 127) / 128 * 128;  // keeps stages aligned
-  static constexpr int kSmemBytes = kTileStartBytes + STAGES * kStageBytes;
+  static constexpr int kSplitBytes = (WARPS_K - 1) * WARPS_M * WARPS_N * 32 * MF * NF * 4 * 4;
+  static constexpr int kSmemBytes = kTileStartBytes + STAGES * kStageBytes + kSplitBytes;
+  static_assert(GPS % WARPS_K == 0, "every K warp takes the same number of groups of a stage");
   static_assert(GPS == 1 || GPS == 2 || GPS == 4 || GPS == 8, "stages cover whole packed-4 scale blocks or lie in one");
   static_assert(kScaleBlocks * kTileM / 2 <= kThreads && GPS * kTileM / 8 <= kThreads, "one scale copy per thread");
   static_assert(STAGES >= 2, "a pipeline needs two stages");
@@ -145,13 +150,13 @@ __device__ __forceinline__ int swizzle_b(int chunk, int row) {
   return GPS >= 2 ? chunk ^ ((row & 1) << 2) : chunk;
 }
 
-template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
-__global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
+template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS>
+__global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     sm90_grouped_gemm_w4a8_int4_kernel(const W4A8GemmParams p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   static_assert(std::is_same<OutT, __nv_bfloat16>::value || std::is_same<OutT, float>::value,
                 "the epilogue stores bf16 (the public op) or fp32 (the fused MoE's GEMM1)");
-  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
+  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K>;
   constexpr int kTileM = Cfg::kTileM;
   constexpr int kTileN = Cfg::kTileN;
   constexpr int kThreads = Cfg::kThreads;
@@ -266,7 +271,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
 
   // ---- Consumer state.
   const int warp_m = warp % WARPS_M;
-  const int warp_n = warp / WARPS_M;
+  const int warp_n = (warp / WARPS_M) % WARPS_N;
+  const int warp_k = warp / (WARPS_M * WARPS_N);
   const int gid = lane >> 2;  // MMA groupID: weight row (and row + 8), token column
   const int tig = lane & 3;   // MMA thread-in-group: owns K [32 tig, 32 tig + 32) of a group
   float acc[MF][NF][4];
@@ -299,7 +305,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(sa + Cfg::kStageA);
 
 #pragma unroll
-    for (int gg = 0; gg < GPS; ++gg) {
+    for (int gk = 0; gk < GPS / WARPS_K; ++gk) {
+      const int gg = gk * WARPS_K + warp_k;  // this warp's groups of the stage
       const int g = s * GPS + gg;
       if (GPS > 1 && g >= groups) break;  // K tail of the last stage (uniform branch)
       // Weights: one 16-byte word (32 int4) of rows gid and gid + 8 of every M fragment.
@@ -311,7 +318,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
         w[mf][1] = *reinterpret_cast<const uint4*>(sb + (r + 8) * kRowBytesB +
                                                    (swizzle_b<GPS>(gg * 4 + tig, r + 8) << 4));
       }
-      // part: sum A * (q + 8) * 2^-9 per weight row; bias: sum A * (-8) * 2^-9 (same for all rows).
+      // part: sum A * (q + 8) * 2^-24 per weight row; bias: sum A * (-8) * 2^-24 (same for all rows).
       float part[MF][NF][4];
       float bias[NF][4];
 #pragma unroll
@@ -336,35 +343,40 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
 #pragma unroll
         for (int step = 0; step < 2; ++step) {
           const int j = half * 2 + step;
-          uint32_t b0[NF], b1[NF];
+          // Activations of K 8j + 0..7 in the K slots of the biased weights (int4_to_f16.cuh).
+          uint32_t b04[NF], b26[NF], b15[NF], b37[NF];
 #pragma unroll
           for (int nf = 0; nf < NF; ++nf) {
             const uint32_t lo = step == 0 ? x[nf].x : x[nf].z;  // K 8j + 0..3
             const uint32_t hi = step == 0 ? x[nf].y : x[nf].w;  // K 8j + 4..7
-            e4m3x8_split_even_odd(lo, hi, b0[nf], b1[nf]);
-            mma_e4m3(bias[nf], kE4m3MinusEightSub, kE4m3MinusEightSub, kE4m3MinusEightSub, kE4m3MinusEightSub,
-                     b0[nf], b1[nf]);
+            e4m3x8_to_f16_slots(lo, hi, b04[nf], b26[nf], b15[nf], b37[nf]);
+            mma_f16(bias[nf], kF16MinusEight, kF16MinusEight, kF16MinusEight, kF16MinusEight, b04[nf], b26[nf]);
+            mma_f16(bias[nf], kF16MinusEightX16, kF16MinusEightX16, kF16MinusEightX16, kF16MinusEightX16, b15[nf],
+                    b37[nf]);
           }
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) {
             const uint32_t wr0 = j == 0 ? w[mf][0].x : j == 1 ? w[mf][0].y : j == 2 ? w[mf][0].z : w[mf][0].w;
             const uint32_t wr1 = j == 0 ? w[mf][1].x : j == 1 ? w[mf][1].y : j == 2 ? w[mf][1].z : w[mf][1].w;
-            uint32_t a0, a1, a2, a3;
-            int4x8_to_biased_e4m3x8(wr0, a0, a2);  // row gid: even K -> a0, odd K -> a2
-            int4x8_to_biased_e4m3x8(wr1, a1, a3);  // row gid + 8
+            uint32_t u04r0, u26r0, u15r0, u37r0, u04r1, u26r1, u15r1, u37r1;
+            int4x8_to_biased_f16(wr0, u04r0, u26r0, u15r0, u37r0);  // row gid
+            int4x8_to_biased_f16(wr1, u04r1, u26r1, u15r1, u37r1);  // row gid + 8
 #pragma unroll
-            for (int nf = 0; nf < NF; ++nf) mma_e4m3(part[mf][nf], a0, a1, a2, a3, b0[nf], b1[nf]);
+            for (int nf = 0; nf < NF; ++nf) {
+              mma_f16(part[mf][nf], u04r0, u04r1, u26r0, u26r1, b04[nf], b26[nf]);
+              mma_f16(part[mf][nf], u15r0, u15r1, u37r0, u37r1, b15[nf], b37[nf]);
+            }
           }
         }
       }
-      // Group promotion: acc += S[row, g] * P, P = 2^9 * (part + bias) (fp32, g increasing).
+      // Group promotion: acc += S[row, g] * P, P = 2^24 * (part + bias) (fp32, g increasing).
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) {
         const int r = (warp_m * MF + mf) * 16 + gid;
         const int s0 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + r * 4 + (g & 3) : gg * kTileM + r;
         const int s1 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + (r + 8) * 4 + (g & 3) : gg * kTileM + r + 8;
-        const float scale0 = __bfloat162float(ss[s0]) * kBiasedUnit;
-        const float scale1 = __bfloat162float(ss[s1]) * kBiasedUnit;
+        const float scale0 = __bfloat162float(ss[s0]) * kF16BiasedUnit;
+        const float scale1 = __bfloat162float(ss[s1]) * kF16BiasedUnit;
 #pragma unroll
         for (int nf = 0; nf < NF; ++nf) {
           acc[mf][nf][0] = fmaf(scale0, part[mf][nf][0] + bias[nf][0], acc[mf][nf][0]);
@@ -376,6 +388,36 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
     }
 
     if (s == stages_per_tile - 1) {
+      if constexpr (WARPS_K > 1) {
+        // ---- K warps meet: warps k > 0 park their sums, warp k = 0 adds them in k order (fixed,
+        // so every tactic of this kernel sums a group's contributions the same way).
+        float* park = reinterpret_cast<float*>(stages + STAGES * Cfg::kStageBytes);
+        constexpr int kAccs = MF * NF * 4;
+        constexpr int kMnThreads = WARPS_M * WARPS_N * 32;
+        const int mn_tid = tid % kMnThreads;
+        if (warp_k > 0) {
+#pragma unroll
+          for (int i = 0; i < MF; ++i)
+#pragma unroll
+            for (int j = 0; j < NF; ++j)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) {
+                park[((warp_k - 1) * kAccs + (i * NF + j) * 4 + c) * kMnThreads + mn_tid] = acc[i][j][c];
+                acc[i][j][c] = 0.f;
+              }
+        }
+        __syncthreads();
+        if (warp_k > 0) continue;  // (the next iteration's barrier retires `park` before its next use)
+#pragma unroll
+        for (int k = 1; k < WARPS_K; ++k)
+#pragma unroll
+          for (int i = 0; i < MF; ++i)
+#pragma unroll
+            for (int j = 0; j < NF; ++j)
+#pragma unroll
+              for (int c = 0; c < 4; ++c)
+                acc[i][j][c] += park[((k - 1) * kAccs + (i * NF + j) * 4 + c) * kMnThreads + mn_tid];
+      }
       // ---- Epilogue: D[row, n] = out(a_scale(row) * acc). Lanes gid, gid^1 swap values so that
       // each stores two adjacent features of one token (4-byte bf16 / 8-byte fp32 stores).
       const GroupedTile t = tile_info(it / stages_per_tile);
