@@ -8,7 +8,7 @@
 // The fused MoE's GEMM2 may pass a RowScatterAdd (grouped_gemm_epilogue.cuh): every tactic then adds
 // its rows into the zeroed output instead of writing d (the fused finalize, DESIGN.md 5.2).
 //
-// Kernel: sm90_grouped_gemm_w4a8_int4.cuh (swap-AB mma.sync e4m3, int4 -> e4m3 in registers,
+// Kernel: sm90_grouped_gemm_w4a8_int4.cuh (swap-AB mma.sync fp16, int4 -> biased fp16 in registers,
 // one K group of 128 per pipeline stage, persistent CTAs over a device-side work list).
 // This file maps a Tactic (src/tune/tactics.cpp) to one of the instantiations listed below, sizes
 // the persistent grid and launches. Arguments are validated by the caller
@@ -35,7 +35,7 @@ using w4a8::Config;
 using w4a8::sm90_grouped_gemm_w4a8_int4_kernel;
 
 // Every tactic splits the K groups of a stage over 2 warps (twice the warps per weight tile: more
-// loads and conversions in flight per SM). One value for all mma.sync tactics keeps their results
+// independent instruction streams per SM; measured gain small, see the instantiation list). One value for all mma.sync tactics keeps their results
 // bitwise identical to each other (the order of the fp32 sums depends on it, not on the tile).
 #ifndef QMOE_W4A8_WARPS_K
 #define QMOE_W4A8_WARPS_K 2
@@ -111,10 +111,14 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   };
   // NOTE: the instantiation list. Keep it in step with compiled() in src/tune/tactics.cpp.
   // Template arguments: warps along weight rows, warps along tokens, 16-row fragments per warp,
-  // 8-token fragments per warp, K groups (of 128) per pipeline stage, stages, CTAs per SM.
+  // 8-token fragments per warp, K groups (of 128) per pipeline stage, stages, CTAs per SM (every
+  // tactic also has kWarpsK warps splitting the groups of a stage).
   // Measured on H200 (bench/results/2026-11-30_h200_w4a8_gemm_dev.md): decode is bound by the
-  // MMA issue of the 8/16-column fragments (each weight fragment also pays one bias MMA per token
-  // fragment), so two 16-row fragments per warp (32 rows) beat one; 4 warps = 128 rows.
+  // instruction issue of the 8/16-column fragments (each weight fragment also pays one bias MMA per
+  // token fragment), so two 16-row fragments per warp (32 rows) beat one; 4 warps = 128 rows.
+  // kWarpsK = 2 vs 1 (bench/results/2026-11-30_s4b_nvidia_h200_warps_k_ab.log, DeepSeek-V3): 3.5%
+  // faster at T = 1, within 5% either way at T = 8-256. 8 stages instead of 4 for the m64 tile
+  // (one CTA per SM) changed nothing (2026-11-30_s4c_nvidia_h200_gemm_m64_stages_ab.log).
   //   decode n8/n16: 2 groups per stage (128 contiguous bytes of each weight row), 4 stages,
   //                  2 CTAs per SM: ~100 KB of weights in flight per SM.
   //   decode n32   : 64 rows x 32 tokens, 4 groups per stage, 3 stages (not chosen by the
