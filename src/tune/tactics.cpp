@@ -41,8 +41,9 @@ Tactic make(Family family, int tile_m, int tile_n, int tile_k) {
 const std::vector<Tactic>& compiled() {
   static const std::vector<Tactic> list = {
       make(Family::kDecode, 128, 8, 256), make(Family::kDecode, 128, 16, 256), make(Family::kDecode, 64, 32, 512),
-      // 64 weight rows x 8 tokens: twice the CTAs of the n8 tile, for grids that leave SMs idle.
-      make(Family::kDecode, 64, 8, 256),
+      // 64 weight rows x 8 tokens, 4 groups per stage: twice the CTAs of the n8 tile, for grids that
+      // leave SMs idle.
+      make(Family::kDecode, 64, 8, 512),
       make(Family::kPrefill, 128, 64, 256),
       // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
       make(Family::kPrefill, 128, 128, 128),
@@ -122,7 +123,7 @@ Tactic select_tactic(const GemmProblem& problem) {
   } else if (rows_per_expert <= kDecodeN8MaxRows) {
     const int64_t hit = rows < experts ? rows : experts;
     const bool small_grid = rows > 0 && hit * ((problem.n + 127) / 128) < kHopperSms;
-    t = small_grid ? make(Family::kDecode, 64, 8, 256) : make(Family::kDecode, 128, 8, 256);
+    t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);
   } else if (rows_per_expert <= kDecodeN16MaxRows) {
     t = make(Family::kDecode, 128, 16, 256);
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {

@@ -34,10 +34,10 @@ TEST(Tactics, HalfHeightDecodeTilesWhenTheGridIsSmallerThanTheGpu) {
   auto pick = [](int64_t rows, int64_t experts, int64_t n) {
     return qmoe::select_tactic(problem(rows, experts, n)).name();
   };
-  EXPECT_EQ(pick(1, 256, 4096), "decode_m64_n8_k256");      // one row: 32 tiles of 128
-  EXPECT_EQ(pick(2, 8, 4096), "decode_m64_n8_k256");        // Mixtral GEMM2, T = 1: 2 x 32 tiles
-  EXPECT_EQ(pick(8, 128, 1536), "decode_m64_n8_k256");      // Qwen3-30B GEMM1, T = 1: 8 x 12 tiles
-  EXPECT_EQ(pick(8, 128, 2048), "decode_m64_n8_k256");      // Qwen3-30B GEMM2: 8 x 16 = 128 < 132
+  EXPECT_EQ(pick(1, 256, 4096), "decode_m64_n8_k512");      // one row: 32 tiles of 128
+  EXPECT_EQ(pick(2, 8, 4096), "decode_m64_n8_k512");        // Mixtral GEMM2, T = 1: 2 x 32 tiles
+  EXPECT_EQ(pick(8, 128, 1536), "decode_m64_n8_k512");      // Qwen3-30B GEMM1, T = 1: 8 x 12 tiles
+  EXPECT_EQ(pick(8, 128, 2048), "decode_m64_n8_k512");      // Qwen3-30B GEMM2: 8 x 16 = 128 < 132
   EXPECT_EQ(pick(8, 256, 4096), "decode_m128_n8_k256");     // DeepSeek-V3 GEMM1, T = 1: 256 tiles
   EXPECT_EQ(pick(16, 8, 28672), "decode_m128_n8_k256");     // Mixtral GEMM1, T = 8: 8 x 224 tiles
   EXPECT_EQ(pick(0, 8, 4096), "decode_m128_n8_k256");       // no rows: nothing runs

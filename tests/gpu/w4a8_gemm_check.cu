@@ -10,8 +10,9 @@
 // uniform routing, T in {1, 8, 64, 256, 1024, 2048, 4096}, every compiled tactic: CUDA events around each launch
 // through the validating API (3 warm-ups, median of 20) and around 32 back-to-back launcher calls
 // (the table uses the latter with QMOE_BENCH_BATCH=1); routings rotated (different experts each
-// launch, weights of all 256 experts >> L2). Filters: QMOE_BENCH_GEMM, QMOE_BENCH_T,
-// QMOE_BENCH_TACTIC; --bench-only skips the checks (for profilers).
+// launch, weights of all 256 experts >> L2). Filters: QMOE_BENCH_GEMM, QMOE_BENCH_T (comma list),
+// QMOE_BENCH_TACTIC (a name or "heuristic"), QMOE_BENCH_SHAPES (other E:topk:N:K shapes);
+// --bench-only skips the checks (for profilers).
 // Build: tests/gpu/build_w4a8_check.sh build/w4a8_check. Exit status 0 only when every check
 // passes. The short table is printed last.
 #include <cuda_runtime.h>
@@ -219,19 +220,37 @@ double sglang_us(int gemm, int t) {  // shared/peers/h200-w4a8-grouped-gemm.md, 
   return 0;
 }
 
+// QMOE_BENCH_SHAPES="E:topk:N:K,..." replaces the DeepSeek-V3 GEMM1/GEMM2 shapes (kernel A/B runs).
+struct BenchShape {
+  int64_t e, topk, n, k;
+};
+std::vector<BenchShape> bench_shapes() {
+  std::vector<BenchShape> out;
+  const char* env = std::getenv("QMOE_BENCH_SHAPES");
+  if (env == nullptr) return {{256, 8, 4096, 7168}, {256, 8, 7168, 2048}};
+  std::string s(env);
+  for (size_t pos = 0; pos < s.size();) {
+    const size_t end = s.find(',', pos) == std::string::npos ? s.size() : s.find(',', pos);
+    BenchShape x{};
+    if (std::sscanf(s.substr(pos, end - pos).c_str(), "%ld:%ld:%ld:%ld", &x.e, &x.topk, &x.n, &x.k) == 4) out.push_back(x);
+    pos = end + 1;
+  }
+  return out;
+}
+
 void bench(std::vector<BenchRow>& rows_out) {
-  const int64_t E = 256, topk = 8;
   // 1024 and 2048 tokens: 32 and 64 rows per expert, where the mma.sync and WGMMA 64-token tiles compete.
   const int ts[] = {1, 8, 64, 256, 1024, 2048, 4096};
-  const int64_t shapes[2][2] = {{4096, 7168}, {7168, 2048}};
+  const std::vector<BenchShape> shapes = bench_shapes();
   constexpr int kRoutings = 8, kWarmup = 3, kIters = 20;
-  // Optional filters (profiling): QMOE_BENCH_GEMM=1|2, QMOE_BENCH_T=<tokens>, QMOE_BENCH_TACTIC=<name>.
+  // Optional filters (profiling): QMOE_BENCH_GEMM=<shape index + 1>, QMOE_BENCH_T=<tokens>,
+  // QMOE_BENCH_TACTIC=<name> or "heuristic" (only the tactic select_tactic picks).
   const char* f_gemm = std::getenv("QMOE_BENCH_GEMM");
   const char* f_t = std::getenv("QMOE_BENCH_T");
   const char* f_tactic = std::getenv("QMOE_BENCH_TACTIC");
-  for (int gi = 0; gi < 2; ++gi) {
+  for (int gi = 0; gi < static_cast<int>(shapes.size()); ++gi) {
     if (f_gemm && std::atoi(f_gemm) != gi + 1) continue;
-    const int64_t n = shapes[gi][0], k = shapes[gi][1];
+    const int64_t E = shapes[gi].e, topk = shapes[gi].topk, n = shapes[gi].n, k = shapes[gi].k;
     uint8_t* b = nullptr;
     uint16_t* s = nullptr;
     const int64_t b_bytes = E * n * k / 2, s_elems = E * (k / 128) * n;
@@ -240,7 +259,7 @@ void bench(std::vector<BenchRow>& rows_out) {
     fill_random<<<2048, 256>>>(b, b_bytes, 1234u + gi, 0);
     fill_scales<<<2048, 256>>>(s, s_elems);
     for (int t : ts) {
-      if (f_t && std::atoi(f_t) != t) continue;
+      if (f_t && (std::string(",") + f_t + ",").find("," + std::to_string(t) + ",") == std::string::npos) continue;
       const int64_t r = t * topk;
       uint8_t* a = nullptr;
       uint16_t* d = nullptr;
@@ -295,7 +314,7 @@ void bench(std::vector<BenchRow>& rows_out) {
       double chosen_us = 0, best_us = 1e30;
       std::string best;
       for (const qmoe::Tactic& tac : qmoe::valid_tactics(gp)) {
-        if (f_tactic && tac.name() != f_tactic) continue;
+        if (f_tactic && (std::string(f_tactic) == "heuristic" ? !(tac == chosen) : tac.name() != f_tactic)) continue;
         std::vector<float> times;
         for (int it = 0; it < kWarmup + kIters; ++it) {
           const int q = it % kRoutings;

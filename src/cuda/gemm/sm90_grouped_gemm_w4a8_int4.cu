@@ -34,19 +34,12 @@ namespace {
 using w4a8::Config;
 using w4a8::sm90_grouped_gemm_w4a8_int4_kernel;
 
-// Every tactic splits the K groups of a stage over 2 warps (twice the warps per weight tile: more
-// independent instruction streams per SM; measured gain small, see the instantiation list). One value for all mma.sync tactics keeps their results
-// bitwise identical to each other (the order of the fp32 sums depends on it, not on the tile).
-#ifndef QMOE_W4A8_WARPS_K
-#define QMOE_W4A8_WARPS_K 2
-#endif
-constexpr int kWarpsK = QMOE_W4A8_WARPS_K;
 
-template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
+template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS>
 void launch_typed(const W4A8GemmParams& params, int64_t rows, int device, cudaStream_t stream) {
-  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, kWarpsK>;
+  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K>;
   constexpr auto kernel =
-      sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, kWarpsK, MIN_BLOCKS>;
+      sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K, MIN_BLOCKS>;
   const int fit = resident_ctas<kernel>(Cfg::kThreads, Cfg::kSmemBytes, device, "occupancy of the w4a8 grouped gemm");
   // Upper bound of the tiles (the real count is only known on the device): every expert may add
   // one partial token tile.
@@ -58,12 +51,12 @@ void launch_typed(const W4A8GemmParams& params, int64_t rows, int device, cudaSt
 }
 
 // The output type is a runtime property of d; the tile configuration is the same for both.
-template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
+template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS>
 void launch(const W4A8GemmParams& params, bool fp32_out, int64_t rows, int device, cudaStream_t stream) {
   if (fp32_out) {
-    launch_typed<float, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>(params, rows, device, stream);
+    launch_typed<float, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K, MIN_BLOCKS>(params, rows, device, stream);
   } else {
-    launch_typed<__nv_bfloat16, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>(params, rows, device, stream);
+    launch_typed<__nv_bfloat16, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K, MIN_BLOCKS>(params, rows, device, stream);
   }
 }
 
@@ -111,30 +104,29 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   };
   // NOTE: the instantiation list. Keep it in step with compiled() in src/tune/tactics.cpp.
   // Template arguments: warps along weight rows, warps along tokens, 16-row fragments per warp,
-  // 8-token fragments per warp, K groups (of 128) per pipeline stage, stages, CTAs per SM (every
-  // tactic also has kWarpsK warps splitting the groups of a stage).
-  // Measured on H200 (bench/results/2026-11-30_h200_w4a8_gemm_dev.md): decode is bound by the
-  // instruction issue of the 8/16-column fragments (each weight fragment also pays one bias MMA per
-  // token fragment), so two 16-row fragments per warp (32 rows) beat one; 4 warps = 128 rows.
-  // kWarpsK = 2 vs 1 (bench/results/2026-11-30_s4b_nvidia_h200_warps_k_ab.log, DeepSeek-V3): 3.5%
-  // faster at T = 1, within 5% either way at T = 8-256. 8 stages instead of 4 for the m64 tile
-  // (one CTA per SM) changed nothing (2026-11-30_s4c_nvidia_h200_gemm_m64_stages_ab.log).
-  //   decode n8/n16: 2 groups per stage (128 contiguous bytes of each weight row), 4 stages,
-  //                  2 CTAs per SM: ~100 KB of weights in flight per SM.
+  // 8-token fragments per warp, K groups (of 128) per pipeline stage, stages, warps splitting the
+  // groups of a stage (2 for every tactic: the order of the fp32 sums depends on it, so one value
+  // keeps all mma.sync tactics bitwise identical), CTAs per SM.
+  // Measured on H200 (A/B runs of tests/gpu/w4a8_gemm_check.cu, bench/results/2026-11-30_s4d_*):
+  //   decode n8/n16: 2 M-warps of 64 rows (4 fragments: the activation unpack and the bias MMA are
+  //                  paid once per 64 rows) x 2 K warps, 2 groups per stage, 4 stages, 2 CTAs per SM;
+  //                  10-19% faster than 4 M-warps of 32 rows. 5 stages, or 4 groups per stage, slower.
+  //   decode m64 n8: for grids below one CTA per SM: 2 M-warps of 32 rows x 2 K warps, 4 groups per
+  //                  stage (256-byte runs of each weight row), 4 stages: Mixtral GEMM2 T = 1 64 -> 44 us.
   //   decode n32   : 64 rows x 32 tokens, 4 groups per stage, 3 stages (not chosen by the
   //                  heuristic: measured slower than n16 or prefill; kept for forcing/tuning).
   //   prefill n64  : 2 x 2 warps of 64 rows x 32 tokens (converted weights serve 32 columns),
-  //                  2 groups per stage, 3 stages, 2 CTAs per SM.
+  //                  2 groups per stage, 3 stages, one CTA per SM (not chosen by the heuristic).
   if (is(Family::kDecode, 128, 8, 256)) {
-    launch<4, 1, 2, 1, 2, 4, 2>(params, fp32_out, rows, device, stream);
+    launch<2, 1, 4, 1, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 16, 256)) {
-    launch<4, 1, 2, 2, 2, 4, 2>(params, fp32_out, rows, device, stream);
-  } else if (is(Family::kDecode, 64, 8, 256)) {
-    launch<4, 1, 1, 1, 2, 4, 2>(params, fp32_out, rows, device, stream);  // n8 at half height
+    launch<2, 1, 4, 2, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
+  } else if (is(Family::kDecode, 64, 8, 512)) {
+    launch<2, 1, 2, 1, 4, 4, 2, 2>(params, fp32_out, rows, device, stream);  // n8 at half height
   } else if (is(Family::kDecode, 64, 32, 512)) {
-    launch<4, 1, 1, 4, 4, 3, 2>(params, fp32_out, rows, device, stream);
+    launch<4, 1, 1, 4, 4, 3, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kPrefill, 128, 64, 256)) {
-    launch<2, 2, 4, 4, 2, 3, 1>(params, fp32_out, rows, device, stream);  // 8 warps x ~170 registers: one CTA per SM
+    launch<2, 2, 4, 4, 2, 3, 2, 1>(params, fp32_out, rows, device, stream);  // 8 warps x ~170 registers: one CTA per SM
   } else if (is(Family::kPrefill, 128, 128, 128) || is(Family::kPrefill, 128, 64, 128)) {
     // WGMMA kernel (sm90_grouped_gemm_w4a8_int4_wgmma.cu): 128 weight rows x 128 or 64 tokens.
     WgmmaGemmParams w;
