@@ -32,17 +32,4 @@ int resident_ctas(int threads, int smem_bytes, int device, const char* what) {
   return fit;
 }
 
-// Streaming multiprocessors of a device, queried once and cached (legal while a stream is captured).
-inline int sm_count(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices] = {};
-  QMOE_CHECK_ARG(device >= 0 && device < kMaxDevices, "device", "a CUDA device index below 64", std::to_string(device));
-  int sms = cache[device].load(std::memory_order_relaxed);
-  if (sms == 0) {
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-    cache[device].store(sms, std::memory_order_relaxed);
-  }
-  return sms;
-}
-
 }  // namespace qmoe::cuda

@@ -109,9 +109,8 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   // keeps all mma.sync tactics bitwise identical), CTAs per SM.
   // Measured on H200 (A/B runs of tests/gpu/w4a8_gemm_check.cu, bench/results/2026-11-30_s4d_*):
   //   decode n8/n16: 2 M-warps of 64 rows (4 fragments: the activation unpack and the bias MMA are
-  //                  paid once per 64 rows) x 2 K warps, 2 groups per stage, 4 stages, 2 CTAs per SM
-  //                  (n8 with many tiles: 3 stages, 3 CTAs per SM); 10-19% faster than 4 M-warps of 32
-  //                  rows. 5 stages, 4 groups per stage, or n16 with 3 stages x 3 CTAs: slower.
+  //                  paid once per 64 rows) x 2 K warps, 2 groups per stage, 4 stages, 2 CTAs per SM;
+  //                  10-19% faster than 4 M-warps of 32 rows. 5 stages, or 4 groups per stage, slower.
   //   decode m64 n8: for grids below one CTA per SM: 2 M-warps of 32 rows x 2 K warps, 4 groups per
   //                  stage (256-byte runs of each weight row), 4 stages: Mixtral GEMM2 T = 1 64 -> 44 us.
   //   decode n32   : 64 rows x 32 tokens, 4 groups per stage, 3 stages (not chosen by the
@@ -119,16 +118,7 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   //   prefill n64  : 2 x 2 warps of 64 rows x 32 tokens (converted weights serve 32 columns),
   //                  2 groups per stage, 3 stages, one CTA per SM (not chosen by the heuristic).
   if (is(Family::kDecode, 128, 8, 256)) {
-    // Two or more waves of three CTAs per SM: 3 stages x 3 CTAs per SM (more copies in flight per SM;
-    // 5-12% faster at T = 8-64); fewer tiles: 4 stages x 2 CTAs (more in flight per CTA; 3 stages
-    // were up to 28% slower at T = 1). Same arithmetic, same bits. Bound: every expert hit adds at
-    // most one partial token tile.
-    const int64_t hit = rows < params.num_experts ? rows : params.num_experts;
-    const int64_t tiles = (rows / 8 + hit) * ((params.n + 127) / 128);
-    if (tiles >= 6 * static_cast<int64_t>(sm_count(device)))
-      launch<2, 1, 4, 1, 2, 3, 2, 3>(params, fp32_out, rows, device, stream);
-    else
-      launch<2, 1, 4, 1, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
+    launch<2, 1, 4, 1, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 16, 256)) {
     launch<2, 1, 4, 2, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 64, 8, 512)) {
