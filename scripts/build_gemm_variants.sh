@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Builds one W4A8 GEMM check binary per launcher variant, here (no GPU needed), for a cheap A/B run on
+# the device (scripts/device_ab.sh): a variant is the launcher src/cuda/gemm/sm90_grouped_gemm_w4a8_int4.cu
+# with sed edits (usually other template arguments of an instantiation), compiled and linked before a
+# local libqmoe.a, so it replaces the library's launcher. Session 4 ran 5-variant A/B rounds for ~35 s
+# of device time each this way (a full device build + suite + benchmarks costs ~250 s).
+#
+# Usage: bash scripts/build_gemm_variants.sh bench/ab/<list>.txt      -> .dev/ab/chk_<name> (+ .log)
+# List format, one variant per line (# comments and blank lines skipped):
+#   <name> | <sed expression> [| <sed expression> ...]       e.g.
+#   base   | s/xx/xx/
+#   m64s3  | s/launch<2, 1, 2, 1, 4, 4, 2, 2>/launch<2, 1, 2, 1, 4, 3, 2, 3>/
+# A sed expression that changes nothing is an error (a stale list would silently measure the base).
+# The library comes from build/ab_lib (configured with the CUDA kernels on first use, then rebuilt
+# incrementally, ~30 s on 2 cores); CUTLASS_DIR defaults to .dev/cutlass.
+# Then on the device: run `bash scripts/device_ab.sh` with carry [".dev/ab"].
+set -euo pipefail
+cd "$(dirname "$0")/.."
+LIST=${1:?usage: build_gemm_variants.sh <variant list>}
+SRC=src/cuda/gemm/sm90_grouped_gemm_w4a8_int4.cu
+OUTDIR=.dev/ab
+CUTLASS_DIR=${CUTLASS_DIR:-$PWD/.dev/cutlass}
+NVCC="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc -I$CUTLASS_DIR/include"
+HOST_CXX=$([[ -x /usr/bin/g++ ]] && echo /usr/bin/g++ || command -v g++)
+
+if [[ ! -f build/ab_lib/build.ninja ]]; then
+  cmake -S . -B build/ab_lib -G Ninja -DQMOE_BUILD_TESTS=OFF -DQMOE_BUILD_PYTHON=OFF -DQMOE_WITH_CUDA_KERNELS=ON \
+    -DCUTLASS_DIR="$CUTLASS_DIR" -DCMAKE_BUILD_TYPE=Release > /dev/null
+fi
+cmake --build build/ab_lib --target qmoe -j"$(nproc)" > /dev/null
+mkdir -p "$OUTDIR" && rm -f "$OUTDIR"/chk_*
+tmp=$(mktemp -d)
+while IFS= read -r line; do
+  line=${line%%#*}
+  [[ -z "${line// }" ]] && continue
+  IFS='|' read -r -a parts <<<"$line"
+  name=$(echo "${parts[0]}" | tr -d ' ')
+  args=()
+  for ((i = 1; i < ${#parts[@]}; ++i)); do
+    expr=$(echo "${parts[$i]}" | sed 's/^ *//; s/ *$//')
+    args+=(-e "$expr")
+    if [[ "$expr" != "s/xx/xx/" ]] && [[ "$(sed -e "$expr" "$SRC")" == "$(cat "$SRC")" ]]; then
+      echo "variant $name: '$expr' changes nothing in $SRC" >&2; exit 1
+    fi
+  done
+  sed "${args[@]}" "$SRC" > "$tmp/$name.cu"
+  {
+    $NVCC -Xptxas -v -c -o "$tmp/$name.o" "$tmp/$name.cu" 2> "$OUTDIR/chk_$name.log"
+    $NVCC -ccbin "$HOST_CXX" -o "$OUTDIR/chk_$name" tests/gpu/w4a8_gemm_check.cu "$tmp/$name.o" build/ab_lib/libqmoe.a \
+      -lpthread -ldl
+    spills=$(grep -cE "[1-9][0-9]* bytes spill stores" "$OUTDIR/chk_$name.log" || true)
+    echo "built $OUTDIR/chk_$name (kernels with spills: $spills)"
+  } &
+  while (( $(jobs -rp | wc -l) >= $(nproc) )); do wait -n; done
+done < "$LIST"
+wait
+rm -rf "$tmp"
