@@ -51,10 +51,13 @@ CPU tests check against the C++ plan.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from . import _C, ops, quant
 from ._tensors import is_torch
+from .sm_limit import limit_sms, sm_limit
 
 MODES = ("throughput", "low_latency")
 # The per-token payload of each quant mode, in wire order (topk_ids is appended to every mode).
@@ -272,7 +275,7 @@ class ExpertParallelMoE:
 
     def __init__(self, world_size: int, rank: int, num_experts: int, *, transport, quant_mode: str = "w4a8_int4",
                  activation: str = "swiglu", gate_up_layout: str = "gate_up", routed_scaling_factor: float = 1.0,
-                 output_dtype: str = "bfloat16", **activation_options):
+                 output_dtype: str = "bfloat16", comm_sms: int = 16, **activation_options):
         if quant_mode not in _PAYLOAD:
             raise ValueError(f"qmoe: argument 'quant_mode': expected one of {tuple(_PAYLOAD)}, got {quant_mode!r}")
         self.world_size, self.rank, self.num_experts = int(world_size), int(rank), int(num_experts)
@@ -286,6 +289,11 @@ class ExpertParallelMoE:
         self.transport, self.quant_mode = transport, quant_mode
         self.options = dict(activation=activation, gate_up_layout=gate_up_layout, **activation_options)
         self.routed_scaling_factor, self.output_dtype = float(routed_scaling_factor), output_dtype
+        if isinstance(comm_sms, bool) or not isinstance(comm_sms, (int, np.integer)) or int(comm_sms) < 0:
+            raise ValueError(f"qmoe: argument 'comm_sms': expected an integer >= 0, got {comm_sms!r}")
+        # SMs a chunked forward leaves free for NCCL's kernels while the experts' GEMMs run (qmoe.limit_sms):
+        # a GEMM grid that fills every SM keeps a concurrent exchange from starting until it ends.
+        self.comm_sms = int(comm_sms)
         self.last_chunks, self.last_tactic = None, None  # what the last forward used (tests, benchmark)
         self._side_streams = {}  # device index -> the exchange stream of chunked forwards
 
@@ -466,11 +474,14 @@ class ExpertParallelMoE:
             send = packed[plans[c][2]]
             return self._exchange_async(xp, streams, keep, send, per_chunk, (packed.shape[1],), packed.dtype)
 
+        expert_sms = self._expert_sm_limit(x)
+
         def experts(recv, done):
             streams.wait(done)
             received = self._unpack(xp, recv, layout)
-            return self._expert_rows(received, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale,
-                                     top_k, tactic)
+            with limit_sms(expert_sms) if expert_sms else contextlib.nullcontext():
+                return self._expert_rows(received, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale,
+                                         top_k, tactic)
 
         def combine(rows):
             return self._exchange_async(xp, streams, keep, rows, per_chunk * top_k, (rows.shape[1],), rows.dtype)
@@ -501,6 +512,18 @@ class ExpertParallelMoE:
         streams.join()  # the compute stream waits for every exchange; `keep` is released after this
         mark("end")
         return out
+
+    def _expert_sm_limit(self, x):
+        """SMs for the experts' GEMMs of a chunked forward: all but comm_sms (and within the caller's own
+        limit); None off the GPU or with comm_sms = 0 (then the caller's limit, if any, stays)."""
+        if self.comm_sms == 0 or not (is_torch(x) and x.is_cuda):
+            return None
+        import torch
+
+        total = torch.cuda.get_device_properties(x.device).multi_processor_count
+        limit = max(1, total - self.comm_sms)
+        outer = sm_limit()
+        return min(limit, outer) if outer > 0 else limit
 
     def _exchange_async(self, xp: _Arrays, streams: _Streams, keep: list, buffer, rows_per_peer: int, row_shape,
                         dtype):

@@ -5,6 +5,7 @@
 
 #include "python/tensor_arg.h"
 #include "qmoe/error.h"
+#include "qmoe/sm_limit.h"
 
 namespace qmoe::python {
 
@@ -60,4 +61,7 @@ NB_MODULE(_C, m) {
   m.attr("__version__") = "0.1.0";
   bind_formats(m);
   bind_ops(m);
+  // include/qmoe/sm_limit.h: per host thread (nanobind calls run in the calling Python thread).
+  m.def("set_sm_limit", &qmoe::set_sm_limit, nb::arg("sms"));
+  m.def("sm_limit", &qmoe::sm_limit);
 }

@@ -468,6 +468,26 @@ def test_constructor_checks():
         ExpertParallelMoE(2, 0, 8, transport=group.transport(1))
     with pytest.raises(ValueError, match="'quant_mode'"):
         ExpertParallelMoE(2, 0, 8, transport=group.transport(0), quant_mode="fp8")
+    for bad in (-1, 2.5, True, "16"):
+        with pytest.raises(ValueError, match="'comm_sms'"):
+            ExpertParallelMoE(2, 0, 8, transport=group.transport(0), comm_sms=bad)
+    assert ExpertParallelMoE(2, 0, 8, transport=group.transport(0)).comm_sms == 16
+    assert ExpertParallelMoE(2, 0, 8, transport=group.transport(0), comm_sms=np.int64(0)).comm_sms == 0
+
+
+def test_chunked_forward_on_the_cpu_leaves_the_sm_limit_alone():
+    """comm_sms limits the GEMMs of a chunked forward on CUDA tensors only (qmoe.limit_sms); on the CPU
+    the caller's own limit stays as it was, during and after the call, and the bits do not change."""
+    ids, wts = _routing(6, 2, 4, seed=221)
+    case = _case("w4a8_int4", ids, wts, num_experts=4)
+    layer = ExpertParallelMoE(1, 0, 4, transport=LoopbackGroup(1).transport(0), comm_sms=8)
+    assert layer._expert_sm_limit(case["x"]) is None
+    base = (case["x"], ids, wts, case["w1"], case["w1_scale"], case["w2"], case["w2_scale"])
+    kw = dict(x_scale=case["x_scale"], fc2_input_scale=case["fc2_input_scale"])
+    with qmoe.limit_sms(3):
+        got = layer.forward(*base, **kw, mode="low_latency", max_tokens_per_rank=6, chunks=2)
+        assert qmoe.sm_limit() == 3
+    np.testing.assert_array_equal(_bits(got), _bits(_single(case)))
 
 
 # ---- NCCL loader (no GPU needed) ----------------------------------------------------------------------

@@ -10,8 +10,9 @@ T tokens per rank, uniform top-k routing, static a1 / a2, deterministic finalize
            median. ratios: throughput / single eager, low latency / single graph (target <= 1.25: the
            same work per GPU plus the exchange). The LL columns run forward(chunks=1) (one exchange
            each way); --chunks N adds, per N, the low-latency graph replay with forward(chunks=N)
-           (exchanges on a side stream, overlapped with the other chunk's GEMMs), its ratio, and
-           whether its output is bitwise the chunks=1 output (rank 0).
+           (exchanges on a side stream, overlapped with the other chunk's GEMMs, which leave
+           --comm-sms SMs free for NCCL's kernels), its ratio, and whether its output is bitwise the
+           chunks=1 output (rank 0).
   split    prep (plan + count exchange + quantize + pack) / dispatch / compute (moe_expert_rows) /
            combine / finalize (through row_index, no gather)
            of an eager throughput forward, CUDA events at the phase marks (ExpertParallelMoE.forward's
@@ -50,6 +51,8 @@ def _parse(argv):
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="tokens per rank")
     p.add_argument("--modes", default="throughput,low_latency")
     p.add_argument("--chunks", default="2", help="extra low-latency chunk counts (> 1), comma list; '' for none")
+    p.add_argument("--comm-sms", type=int, default=16,
+                   help="SMs a chunked forward leaves to NCCL while its GEMMs run (ExpertParallelMoE comm_sms)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out-dir", default="")
@@ -220,7 +223,8 @@ def rank_main(rank, world, args) -> int:
         weights = _weights(torch, device, experts, hidden, inter, seed=1)
         per = experts // world
         local = {k: v[rank * per:(rank + 1) * per] for k, v in weights.items()}
-        layer = ExpertParallelMoE(world, rank, experts, transport=transport, quant_mode="w4a8_int4")
+        layer = ExpertParallelMoE(world, rank, experts, transport=transport, quant_mode="w4a8_int4",
+                                  comm_sms=args.comm_sms)
         for tokens in args.tokens:
             gen = torch.Generator(device=device).manual_seed(1000 + 17 * rank + tokens)
             x = torch.randn((tokens, hidden), generator=gen, device=device).to(torch.bfloat16)
@@ -400,7 +404,8 @@ def _report(rows, args):
              "EP: 2 GPUs, half the experts each, T tokens per rank; single: 1 GPU, all experts, T tokens. "
              "Times in us (median, slower rank); thr ratio = EP throughput (eager: it syncs the host once) / "
              "single eager; LL ratio = EP low-latency graph replay / single graph replay (target <= 1.25); "
-             "LL cN = the same with forward(chunks=N) (exchanges overlapped with the other chunk's GEMMs), "
+             f"LL cN = the same with forward(chunks=N) (exchanges overlapped with the other chunk's GEMMs, which "
+             f"leave comm_sms = {args.comm_sms} SMs to NCCL), "
              "'LL cN vs c1' = its output against chunks=1; split = phases of an eager throughput forward; MB = bytes "
              "each rank sends to the other; plain = a grouped NCCL send/recv of the same bytes alone."
              + (" CPU run (--cpu): not a benchmark." if args.cpu else ""), "",
@@ -420,7 +425,8 @@ def _report(rows, args):
         with open(stem + ".md", "w") as f:
             f.write(text + "\n")
         with open(stem + ".json", "w") as f:
-            json.dump(dict(rows=rows, modes=args.modes, chunks=args.chunks, cpu=args.cpu), f, indent=1, default=str)
+            json.dump(dict(rows=rows, modes=args.modes, chunks=args.chunks, comm_sms=args.comm_sms, cpu=args.cpu), f,
+                      indent=1, default=str)
 
 
 def main(argv=None) -> int:

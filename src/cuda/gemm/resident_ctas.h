@@ -1,7 +1,8 @@
 // CTAs of one kernel configuration that fit on a device at once (SMs x occupancy): the size of a
-// persistent grid. Queried once per (kernel, device) and cached: cheap host calls that are legal while
-// a stream is being captured. The cache is atomic because two host threads may launch the same
-// configuration for the first time at once (both compute the same value).
+// persistent grid, on at most sm_limit() SMs when this thread set a limit (include/qmoe/sm_limit.h).
+// SM count and occupancy are queried once per (kernel, device) and cached: cheap host calls that are
+// legal while a stream is being captured. The cache is atomic because two host threads may launch the
+// same configuration for the first time at once (both compute the same value).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -11,6 +12,7 @@
 
 #include "cuda/launch.h"  // check_cuda
 #include "qmoe/error.h"
+#include "qmoe/sm_limit.h"
 
 namespace qmoe::cuda {
 
@@ -18,18 +20,20 @@ namespace qmoe::cuda {
 template <auto kKernel>
 int resident_ctas(int threads, int smem_bytes, int device, const char* what) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices] = {};
+  static std::atomic<int> cache_sms[kMaxDevices] = {}, cache_per_sm[kMaxDevices] = {};
   QMOE_CHECK_ARG(device >= 0 && device < kMaxDevices, "device", "a CUDA device index below 64", std::to_string(device));
-  int fit = cache[device].load(std::memory_order_relaxed);
-  if (fit == 0) {
+  int sms = cache_sms[device].load(std::memory_order_acquire);
+  int per_sm = cache_per_sm[device].load(std::memory_order_relaxed);
+  if (sms == 0) {
     check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), what);
-    int sms = 0, per_sm = 0;
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, smem_bytes), what);
-    fit = sms * (per_sm > 0 ? per_sm : 1);
-    cache[device].store(fit, std::memory_order_relaxed);
+    per_sm = per_sm > 0 ? per_sm : 1;
+    cache_per_sm[device].store(per_sm, std::memory_order_relaxed);
+    cache_sms[device].store(sms, std::memory_order_release);  // last: a reader that sees it sees per_sm too
   }
-  return fit;
+  const int limit = sm_limit();
+  return per_sm * (limit > 0 && limit < sms ? limit : sms);
 }
 
 }  // namespace qmoe::cuda
