@@ -18,7 +18,16 @@
 # Switches: QMOE_SANITIZE_TOOLS="memcheck racecheck synccheck initcheck gemm_check" (a subset to run);
 #   QMOE_SANITIZE_FULL=1 selects every GPU test for each tool (slow: one tool per device call);
 #   QMOE_SANITIZE_K_<TOOL>=<pytest -k expression> replaces a selection; QMOE_SANITIZE_LIMIT_<TOOL>=<s>
-#   a time limit (defaults below sum to 360 s; a run past its limit is killed and reported TIMEOUT).
+#   a time limit (defaults below sum to 360 s; a run past its limit is killed and reported TIMEOUT);
+#   QMOE_SANITIZE_JOBS=N (default 1) splits each tool's pytest run into N concurrent shards.
+#
+# Shards (QMOE_SANITIZE_JOBS > 1): a sanitizer process is CPU-bound on one core while the GPU has
+# room for several, so the full suite needs N processes to fit a device call. The selected node ids
+# are collected once (no sanitizer; sanitize_<tool>_collect.log), dealt round-robin into
+# sanitize_<tool>_shard<i>.ids (heavy and light tests mixed), and each shard runs gpu_tests.sh under
+# the tool with a pytest plugin (-p, temporary) that keeps only its ids (no quoting, no long command
+# line). Logs sanitize_<tool>_shard<i>.log; the tool's line sums the shards; any failed, silent or
+# timed-out shard fails the tool. The limit is the tool's wall time, collection included.
 #
 # Options added to gpu_tests.sh's sanitizer command line, through a wrapper put first on PATH (its
 # switch takes no extra options), each only when this compute-sanitizer's --help lists it:
@@ -41,6 +50,8 @@ LOGDIR=${OUT:-$ROOT/build/sanitize}
 mkdir -p "$LOGDIR"
 T0=$(date +%s)
 TOOLS=${QMOE_SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck gemm_check}
+JOBS=${QMOE_SANITIZE_JOBS:-1}
+[[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "QMOE_SANITIZE_JOBS must be a positive integer (got '$JOBS')"; exit 2; }
 
 REAL=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n1)
 [[ -n "$REAL" && -x "$REAL" ]] || { echo "compute-sanitizer not found"; exit 2; }
@@ -62,6 +73,44 @@ cat > "$WRAP/compute-sanitizer" <<EOF
 exec "$REAL" \${QMOE_SANITIZER_EXTRA_ARGS:-} "\$@"
 EOF
 chmod +x "$WRAP/compute-sanitizer"
+# The shard filter: a pytest plugin loaded with -p qmoe_shard_select (on PYTHONPATH for shards only).
+mkdir -p "$WRAP/py"
+cat > "$WRAP/py/qmoe_shard_select.py" <<'EOF'
+"""Keeps only the tests whose node ids are listed in $QMOE_SHARD_IDS (one per line): one shard of
+scripts/gpu_sanitize.sh. An id that is not collected is a usage error (the shard must run them all).
+At the end of the session it prints how many skips pytest's count line holds from collection (a
+module skipped as a whole; every shard collects every module, so the merge counts those once); a
+shard log without that line (crash, timeout, usage error) gave no result."""
+import os
+
+import pytest
+
+_collection_skips = 0
+
+
+def pytest_collectreport(report):
+    global _collection_skips
+    _collection_skips += report.skipped
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"qmoe_shard_select: collection skips {_collection_skips}")
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k
+def pytest_collection_modifyitems(config, items):
+    with open(os.environ["QMOE_SHARD_IDS"], encoding="utf-8") as f:
+        wanted = {line.rstrip("\n") for line in f if line.strip()}
+    keep = [it for it in items if it.nodeid in wanted]
+    drop = [it for it in items if it.nodeid not in wanted]
+    missing = wanted - {it.nodeid for it in keep}
+    if missing:
+        raise pytest.UsageError(f"QMOE_SHARD_IDS: {len(missing)} of {len(wanted)} node ids were not "
+                                f"collected, e.g. {sorted(missing)[:3]}")
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+EOF
 
 if [[ "${QMOE_SKIP_BUILD:-0}" != 1 ]]; then
   echo "== build (scripts/device_build.sh)"
@@ -139,6 +188,65 @@ if [[ "${QMOE_SANITIZE_FULL:-0}" == 1 ]]; then
   for t in memcheck racecheck synccheck initcheck; do SEL[$t]="not __no_such_test__"; LIMIT[$t]=570; done
 fi
 
+# run_shards TOOL LIMIT: the tool's selection in QMOE_SANITIZE_JOBS concurrent shards (see the header).
+# Sets rc (124 when a step timed out), ran, failed, errors, mine, other, warnings and log.
+run_shards() {
+  local tool=$1 limit=$2 up=${1^^} t0 sel_var sel extra ids collected nshards i left clog
+  local -a pids=() rcs=()
+  t0=$(date +%s)
+  sel_var=QMOE_SANITIZE_K_$up
+  sel=${!sel_var:-${SEL[$tool]}}
+  extra="$COMMON $([[ $tool == initcheck ]] && echo "$UNUSED" || echo "$FILTER")"
+  errors=0 mine=0 other=0 warnings=0
+  clog="$LOGDIR/sanitize_${tool}_collect.log"
+  rm -f "$LOGDIR/sanitize_${tool}_shard"*.ids "$LOGDIR/sanitize_${tool}_shard"*.log
+  QMOE_SANITIZER="" QMOE_SKIP_BUILD=1 QMOE_SKIP_CPP=1 QMOE_PYTEST_LOG="$WRAP/pytest_${tool}_collect.log" \
+    run_limited "$limit" "$clog" bash scripts/gpu_tests.sh -k "$sel" --collect-only
+  rc=$?
+  ids="$WRAP/ids_$tool"
+  # pytest -q --collect-only prints one node id a line; a warnings summary may repeat some.
+  grep -E '^tests/python/[^:]*::' "$clog" | awk '!seen[$0]++' > "$ids"
+  collected=$(wc -l < "$ids")
+  if (( rc != 0 || collected == 0 )); then
+    ran="collection failed (exit $rc, $collected ids)"; failed=1; log=$clog
+    return 0
+  fi
+  nshards=$(( JOBS < collected ? JOBS : collected ))
+  awk -v n="$nshards" -v pre="$LOGDIR/sanitize_${tool}_shard" '{ print > (pre ((NR - 1) % n + 1) ".ids") }' "$ids"
+  left=$(( limit - ($(date +%s) - t0) ))
+  (( left < 1 )) && left=1
+  echo "$tool: $collected tests collected in $(( $(date +%s) - t0 ))s; $nshards shards of about $(( (collected + nshards - 1) / nshards )) tests, ${left}s each"
+  for (( i = 1; i <= nshards; i++ )); do
+    QMOE_SANITIZER=$tool QMOE_SKIP_BUILD=1 QMOE_SKIP_CPP=1 PATH="$WRAP:$PATH" QMOE_SANITIZER_EXTRA_ARGS="$extra" \
+      QMOE_PYTEST_LOG="$WRAP/pytest_${tool}_shard$i.log" QMOE_SHARD_IDS="$LOGDIR/sanitize_${tool}_shard$i.ids" \
+      PYTHONPATH="$WRAP/py${PYTHONPATH:+:$PYTHONPATH}" \
+      run_limited "$left" "$LOGDIR/sanitize_${tool}_shard$i.log" bash scripts/gpu_tests.sh -p qmoe_shard_select -k "$sel" &
+    pids[i]=$!
+  done
+  for (( i = 1; i <= nshards; i++ )); do wait "${pids[i]}"; rcs[i]=$?; done
+  local sn sf ss se sm so sw sk kmax=0 n=0 skipped=0 timeouts="" noresult="" slog
+  failed=0 rc=0
+  for (( i = 1; i <= nshards; i++ )); do
+    sn=0 sf=0 ss=0 se=0 sm=0 so=0 sw=0
+    slog="$LOGDIR/sanitize_${tool}_shard$i.log"
+    read -r sn sf ss se sm so sw < <(parse "$slog")
+    sk=$(sed -n 's/^qmoe_shard_select: collection skips \([0-9]*\)$/\1/p' "$slog" | tail -n1)
+    [[ -z "$sk" ]] && { sk=0; noresult+=" $i"; failed=$((failed + 1)); }  # crashed, timed out or refused its ids
+    echo "  shard $i/$nshards: $sn tests ($sf failed, $ss skipped, $sk of them at collection) of $(wc -l < "${slog%.log}.ids") ids; errors reported $se (qmoe $sm, other $so; warnings $sw); exit ${rcs[i]}"
+    n=$((n + sn)) skipped=$((skipped + ss - sk)) failed=$((failed + sf))
+    (( sk > kmax )) && kmax=$sk
+    errors=$((errors + se)) mine=$((mine + sm)) other=$((other + so)) warnings=$((warnings + sw))
+    (( rcs[i] == 124 )) && { rc=124; timeouts+=" $i"; }
+  done
+  skipped=$((skipped + kmax))  # modules skipped at collection: once, as in one run
+  ran="$n tests ($failed failed, $skipped skipped; $nshards shards)"
+  [[ -n "$noresult" ]] && ran+=", no result from shard${noresult}"
+  [[ -n "$timeouts" ]] && ran+=", timed out: shard${timeouts}"
+  (( n == 0 && failed == 0 )) && failed=1
+  log="$LOGDIR/sanitize_${tool}_shard*.log"
+  return 0
+}
+
 status=0
 declare -a LINES
 for tool in $TOOLS; do
@@ -161,7 +269,7 @@ for tool in $TOOLS; do
     read -r _ _ _ errors mine other warnings < <(parse "$log")
     failed=$([[ $rc -eq 0 || $rc -eq 86 ]] && echo 0 || echo 1)
     grep -q "correctness: PASS" "$log" || failed=1
-  else
+  elif (( JOBS == 1 )); then
     sel_var=QMOE_SANITIZE_K_$up
     sel=${!sel_var:-${SEL[$tool]}}
     QMOE_SANITIZER=$tool QMOE_SKIP_BUILD=1 QMOE_SKIP_CPP=1 PATH="$WRAP:$PATH" \
@@ -172,6 +280,8 @@ for tool in $TOOLS; do
     read -r n failed skipped errors mine other warnings < <(parse "$log")
     ran="$n tests ($failed failed, $skipped skipped)"
     (( n == 0 )) && failed=1  # pytest crashed or selected nothing
+  else
+    run_shards "$tool" "$limit"  # sets rc, ran, failed, errors, mine, other, warnings, log
   fi
   secs=$(( $(date +%s) - t ))
   verdict=ok

@@ -14,6 +14,8 @@
 #                       (errors fail the run; racecheck/synccheck are slow: restrict with -k)
 #   QMOE_SKIP_BUILD=1   reuse an existing build/device (no rebuild)
 #   QMOE_SKIP_CPP=1     skip the C++ tests
+#   QMOE_PYTEST_LOG=<file>  where pytest's output is also written (default /tmp/qmoe_pytest.log;
+#                       scripts/gpu_sanitize.sh gives each of its concurrent runs its own)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
@@ -71,9 +73,10 @@ if [[ -n "${QMOE_SANITIZER:-}" ]]; then
   echo "running under $SANITIZER --tool $QMOE_SANITIZER"
   PYTEST=("$SANITIZER" --tool "$QMOE_SANITIZER" --error-exitcode 86 --print-limit 20 --target-processes all "${PYTEST[@]}")
 fi
-"${PYTEST[@]}" 2>&1 | tee /tmp/qmoe_pytest.log
+PYLOG=${QMOE_PYTEST_LOG:-/tmp/qmoe_pytest.log}
+"${PYTEST[@]}" 2>&1 | tee "$PYLOG"
 rc=${PIPESTATUS[0]}
-line=$(grep -E '^=*.*(passed|failed|error|skipped|no tests ran).*' /tmp/qmoe_pytest.log | tail -n1)
+line=$(grep -E '^=*.*(passed|failed|error|skipped|no tests ran).*' "$PYLOG" | tail -n1)
 if [[ $rc -eq 0 ]]; then
   RESULT[pytest]="ok ${line}"
 elif [[ $rc -eq 86 ]]; then

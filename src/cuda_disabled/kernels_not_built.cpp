@@ -24,6 +24,10 @@ void fused_moe_bf16_w4(const FusedMoeParams&, const Tactic&, const Tactic&, void
   not_built("fused_moe");
 }
 void moe_finalize(const MoeFinalizeParams&, cudaStream_t) { not_built("moe_finalize"); }
+void ep_low_latency_row_index(const TensorRef&, int64_t, int, int64_t, TensorRef, cudaStream_t) {
+  not_built("low_latency_layer");
+}
+void ep_broadcast_f32_rows(const float*, void*, int64_t, int64_t, cudaStream_t) { not_built("low_latency_layer"); }
 void check_cuda(cudaError_t err, const char* what) {}
 
 }  // namespace qmoe::cuda

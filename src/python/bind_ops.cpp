@@ -7,6 +7,7 @@
 
 #include "cuda/launch.h"
 #include "python/tensor_arg.h"
+#include "qmoe/expert_parallel_layer.h"
 #include "qmoe/fused_moe.h"
 #include "qmoe/grouped_gemm.h"
 #include "qmoe/routing.h"
@@ -261,6 +262,27 @@ void bind_ops(nb::module_& m) {
         moe_expert_rows(c.params, c.params.output, ws, ws_bytes, as_stream(stream));
       },
       nb::arg("call"), nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0);
+  // The C++ low-latency expert-parallel layer (include/qmoe/expert_parallel_layer.h) on an NCCL
+  // communicator (an int pointer, e.g. NcclTransport.comm): the call's tensors are this rank's (local
+  // experts, deterministic), its output [T, H]; workspace of ep_low_latency_layer_workspace_size bytes.
+  m.def(
+      "ep_low_latency_layer_workspace_size",
+      [](const LayerCall& c, int world_size, int rank, int64_t max_tokens_per_rank) {
+        return ep::low_latency_layer_workspace_size(ep::LowLatencyLayer{c.params, world_size, rank, max_tokens_per_rank});
+      },
+      nb::arg("call"), nb::arg("world_size"), nb::arg("rank"), nb::arg("max_tokens_per_rank"));
+  m.def(
+      "ep_low_latency_layer",
+      [](const LayerCall& c, int world_size, int rank, int64_t max_tokens_per_rank, uintptr_t comm,
+         const Arg* workspace, uintptr_t stream) {
+        void* ws = workspace ? workspace->ref.data : nullptr;
+        const int64_t ws_bytes = workspace ? workspace->ref.numel() * dtype_size(workspace->ref.dtype) : 0;
+        const ep::LowLatencyLayer layer{c.params, world_size, rank, max_tokens_per_rank};
+        nb::gil_scoped_release release;
+        ep::low_latency_layer(layer, ep::nccl_exchange(reinterpret_cast<void*>(comm)), ws, ws_bytes, as_stream(stream));
+      },
+      nb::arg("call"), nb::arg("world_size"), nb::arg("rank"), nb::arg("max_tokens_per_rank"), nb::arg("comm"),
+      nb::arg("workspace").none(), nb::arg("stream"));
 #undef FUSED_MOE_ARGS
 
   m.def(

@@ -220,6 +220,35 @@ def check_equal(env, name, transport, quant_mode, mode, ids, wts, bounds, tactic
             check_whole_batch(env, label, case, got, bounds, tactic)
 
 
+def check_cpp_layer(env, transport, quant_mode, ids, wts, bounds, tactic, capacity):
+    """The C++ low-latency layer (include/qmoe/expert_parallel_layer.h, _C.ep_low_latency_layer) on the
+    transport's NCCL communicator == single GPU on each rank's tokens, bitwise (pinned tactic)."""
+    from qmoe import _C, ops
+    from qmoe._tensors import current_stream
+
+    torch = env.torch
+    case = make_case(env, quant_mode, ids, wts)
+    mine = rank_slice(case, bounds, env.rank)
+    per = E // env.world
+    sl = slice(env.rank * per, (env.rank + 1) * per)
+    w = {k: (None if case.get(k) is None else case[k][sl]) for k in ("w1", "w1_scale", "w2", "w2_scale", "w1_alpha",
+                                                                      "w2_alpha")}
+    tokens = mine["topk_ids"].shape[0]
+    out = torch.full((tokens, H), float("nan"), dtype=torch.bfloat16, device=env.device)
+    call = ops._layer_call(quant_mode, mine["x"], mine.get("x_scale"), mine["topk_ids"], mine["topk_weights"], w["w1"],
+                           w["w1_scale"], w["w1_alpha"], mine.get("fc2_input_scale"), w["w2"], w["w2_scale"],
+                           w["w2_alpha"], mine.get("per_token_scale"), (out, "output"), E, per, env.rank * per,
+                           case["activation"], 1.0, 0.0, float("inf"), 1.0, None, case["gate_up_layout"], True, 1.0,
+                           tactic)
+    nbytes = _C.ep_low_latency_layer_workspace_size(call, env.world, env.rank, capacity)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=env.device)
+    _C.ep_low_latency_layer(call, env.world, env.rank, capacity, transport.comm, ops.arg(workspace, "workspace"),
+                            current_stream(out))
+    want = single_gpu(env, mine, tactic)
+    sync(env)
+    return compare(env, out, want, f"C++ layer ({quant_mode}, {nbytes} B workspace) vs single GPU")
+
+
 def check_equal_chunks_empty(env, transport, ids, wts):
     """chunks=2 while rank 1 holds no token: its two chunks are empty, it still computes and returns
     rank 0's rows."""
@@ -436,6 +465,16 @@ def run_checks(env, transport, only):
     guarded("low_latency/chunks_empty", check_equal_chunks_empty, env, transport, ids, wts)
     if not env.cpu:
         guarded("low_latency/chunks_graph", check_chunks_graph, env, transport)
+    if not env.cpu:  # the C++ layer's exchange is NCCL
+        for quant_mode, tactic in (("w4a8_int4", env.tactic(PINNED[0])), ("w4a16", env.tactic(PINNED_BF16))):
+            ids, wts = routing(61, K, E, seed=900)
+            name = f"cpp_layer/{quant_mode}"
+
+            def cpp_check(quant_mode=quant_mode, tactic=tactic, ids=ids, wts=wts, name=name):
+                ok, detail = check_cpp_layer(env, transport, quant_mode, ids, wts, [0, 33, 61], tactic, 33)
+                env.report(name, ok, detail)
+
+            guarded(name, cpp_check)
     for quant_mode in ("w4a16_int4", "w4a4", "w4a8", "w4a16"):
         for mode in ("throughput", "low_latency"):
             ids, wts = routing(41, K, E, seed=700)

@@ -1,0 +1,330 @@
+// The low-latency expert-parallel layer from C++ (include/qmoe/expert_parallel_layer.h): payload rows
+// at home, one fixed-size dispatch, moe_expert_rows on the owner, one fixed-size combine, moe_finalize
+// at home through a row index. Data movement is copies (2D memcpy / memset on CUDA, memcpy on the CPU)
+// plus two tiny kernels (src/cuda/ep/ep_low_latency.cu): the row index and the broadcast of a
+// per-tensor a1 into the payload rows.
+#include "qmoe/expert_parallel_layer.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/launch.h"
+#include "qmoe/expert_parallel.h"
+#include "qmoe/formats.h"
+
+namespace qmoe::ep {
+
+namespace {
+
+constexpr int64_t kRowAlign = 16;    // payload rows stay 16-byte aligned
+constexpr int64_t kSpanAlign = 256;  // workspace spans, as cudaMalloc aligns
+
+int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// One per-token tensor that travels: its home source (rows `pitch` bytes apart; pitch 0 = a [1] value
+// broadcast to every row, only for the w4a8_int4 a1) and its place in the payload row.
+struct Part {
+  DType dtype;
+  int64_t row_elems;  // stored elements per token (the receiver's tensor is [W*C, row_elems])
+  int64_t row_bytes;
+  int64_t offset = 0;  // in the payload row
+  const void* src = nullptr;
+  int64_t pitch = 0;
+};
+
+struct Plan {
+  int64_t tokens, topk, hidden, capacity, world, row_bytes;
+  std::vector<Part> parts;  // x, then its scales (w4a8_int4: a1 per row), per_token_scale, topk_ids (last)
+  bool quantize_x = false, dynamic_a1 = false;  // w4a8_int4 with a bf16 x: quantized at home
+};
+
+Part part_of(const TensorRef& t, int64_t tokens) {
+  const int64_t elems = tokens > 0 ? t.numel() / tokens : (t.ndim == 2 ? t.size(1) : 1);
+  return Part{t.dtype, elems, elems * dtype_size(t.dtype)};
+}
+
+Plan make_plan(const LowLatencyLayer& l) {
+  const FusedMoeParams& p = l.moe;
+  Plan plan;
+  plan.tokens = p.topk_ids.size(0);
+  plan.topk = p.topk_ids.size(1);
+  plan.hidden = p.w2.size(1);
+  plan.capacity = l.max_tokens_per_rank;
+  plan.world = l.world_size;
+  if (p.quant_mode == QuantMode::kW4A8Int4) {
+    plan.quantize_x = p.x.dtype == DType::kBFloat16;
+    plan.dynamic_a1 = !p.x_scale.has_value();
+    plan.parts.push_back(Part{DType::kFloat8E4M3, plan.hidden, plan.hidden});
+    plan.parts.push_back(Part{DType::kFloat32, 1, 4});  // a1 of the token's home, per row
+  } else {
+    plan.parts.push_back(part_of(p.x, plan.tokens));
+    if (p.x_scale) plan.parts.push_back(part_of(*p.x_scale, plan.tokens));
+    if (p.per_token_scale) plan.parts.push_back(Part{DType::kFloat32, 1, 4});
+  }
+  plan.parts.push_back(Part{DType::kInt32, plan.topk, 4 * plan.topk});
+  int64_t offset = 0;
+  for (Part& part : plan.parts) {
+    part.offset = offset;
+    offset += part.row_bytes;
+  }
+  plan.row_bytes = round_up(offset, kRowAlign);
+  return plan;
+}
+
+// Workspace spans (CUDA: carved from the caller's buffer; CPU: one host vector).
+struct Spans {
+  int64_t xq, a1, send, recv, received, weights, rows, back, row_index, engine, total;
+  std::vector<int64_t> received_part;  // offset of each part's [W*C, ...] tensor inside `received`
+};
+
+// The owner's engine call over the received tokens; `base` = the workspace base (or any non-null
+// address when only sizes are wanted).
+FusedMoeParams owner_params(const LowLatencyLayer& l, const Plan& plan, const Spans& s, uint8_t* base) {
+  const int64_t received = plan.world * plan.capacity;
+  const Device device = l.moe.x.device;
+  const int index = l.moe.x.device_index;
+  auto tensor = [&](int64_t offset, DType dtype, int64_t cols) {
+    return cols == 1 ? make_tensor(base + offset, dtype, {received}, device, index)
+                     : make_tensor(base + offset, dtype, {received, cols}, device, index);
+  };
+  FusedMoeParams o = l.moe;
+  size_t i = 0;
+  o.x = tensor(s.received + s.received_part[i], plan.parts[i].dtype, plan.parts[i].row_elems);
+  ++i;
+  if (l.moe.quant_mode == QuantMode::kW4A8Int4) {
+    o.x_scale = tensor(s.received + s.received_part[i], DType::kFloat32, 1);
+    ++i;
+  } else {
+    if (l.moe.x_scale) {
+      o.x_scale = tensor(s.received + s.received_part[i], plan.parts[i].dtype, plan.parts[i].row_elems);
+      ++i;
+    }
+    if (l.moe.per_token_scale) {
+      o.per_token_scale = tensor(s.received + s.received_part[i], DType::kFloat32, 1);
+      ++i;
+    }
+  }
+  o.topk_ids = tensor(s.received + s.received_part[i], DType::kInt32, plan.topk);
+  o.topk_weights = tensor(s.weights, DType::kFloat32, plan.topk);  // checked, never read
+  return o;
+}
+
+TensorRef rows_tensor(const LowLatencyLayer& l, const Plan& plan, uint8_t* base, int64_t offset) {
+  return make_tensor(base + offset, DType::kBFloat16, {plan.world * plan.capacity * plan.topk, plan.hidden},
+                     l.moe.x.device, l.moe.x.device_index);
+}
+
+Spans make_spans(const LowLatencyLayer& l, const Plan& plan) {
+  Spans s{};
+  int64_t at = 0;
+  auto take = [&](int64_t bytes) {
+    const int64_t here = at;
+    at += round_up(bytes, kSpanAlign);
+    return here;
+  };
+  const int64_t received = plan.world * plan.capacity;
+  s.xq = take(plan.quantize_x ? plan.tokens * plan.hidden : 0);
+  s.a1 = take(plan.dynamic_a1 ? 4 : 0);
+  s.send = take(plan.capacity * plan.row_bytes);  // one block: every peer gets the same rows
+  s.recv = take(received * plan.row_bytes);
+  int64_t parts = 0;
+  for (const Part& part : plan.parts) {
+    s.received_part.push_back(parts);
+    parts += round_up(received * part.row_bytes, kSpanAlign);
+  }
+  s.received = take(parts);
+  s.weights = take(received * plan.topk * 4);
+  s.rows = take(received * plan.topk * plan.hidden * 2);
+  s.back = take(received * plan.topk * plan.hidden * 2);
+  s.row_index = take(plan.tokens * plan.topk * 4);
+  s.engine = at;
+  s.total = at;
+  if (l.moe.x.is_cuda()) {
+    uint8_t* fake = reinterpret_cast<uint8_t*>(uintptr_t{1} << 12);  // sizes only: never dereferenced
+    s.total += moe_expert_rows_workspace_size(owner_params(l, plan, s, fake), rows_tensor(l, plan, fake, s.rows));
+  }
+  return s;
+}
+
+// rows x width bytes: dst rows dst_pitch apart, src rows src_pitch apart.
+void copy_rows(bool cuda, void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch, int64_t width,
+               int64_t rows, cudaStream_t stream) {
+  if (rows <= 0 || width <= 0) return;
+  if (cuda) {
+    cuda::check_cuda(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDeviceToDevice, stream),
+                     "cudaMemcpy2DAsync (expert-parallel payload)");
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(static_cast<uint8_t*>(dst) + r * dst_pitch, static_cast<const uint8_t*>(src) + r * src_pitch, width);
+}
+
+void fill(bool cuda, void* dst, int value, int64_t bytes, cudaStream_t stream) {
+  if (bytes <= 0) return;
+  if (cuda) {
+    cuda::check_cuda(cudaMemsetAsync(dst, value, bytes, stream), "cudaMemsetAsync (expert-parallel payload)");
+    return;
+  }
+  std::memset(dst, value, bytes);
+}
+
+void fill_rows(bool cuda, void* dst, int64_t pitch, int value, int64_t width, int64_t rows, cudaStream_t stream) {
+  if (rows <= 0 || width <= 0) return;
+  if (cuda) {
+    cuda::check_cuda(cudaMemset2DAsync(dst, pitch, value, width, rows, stream), "cudaMemset2DAsync (pad rows)");
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) std::memset(static_cast<uint8_t*>(dst) + r * pitch, value, width);
+}
+
+}  // namespace
+
+Exchange nccl_exchange(void* comm) {
+  return [comm](const std::vector<PeerTransfer>& peers, cudaStream_t stream) { nccl_all_to_all_v(comm, peers, stream); };
+}
+
+void validate_low_latency_layer(const LowLatencyLayer& l) {
+  QMOE_CHECK_ARG(l.world_size >= 1, "world_size", "at least 1 rank", std::to_string(l.world_size));
+  QMOE_CHECK_ARG(l.rank >= 0 && l.rank < l.world_size, "rank", "a rank in [0, world_size)", std::to_string(l.rank));
+  const FusedMoeParams& p = l.moe;
+  const int64_t per_rank = experts_per_rank(p.num_experts, l.world_size);  // names num_experts / world_size
+  QMOE_CHECK_ARG(p.num_local_experts == per_rank, "num_local_experts",
+                 "num_experts / world_size = " + std::to_string(per_rank) + " (this rank's experts)",
+                 std::to_string(p.num_local_experts));
+  QMOE_CHECK_ARG(p.local_expert_offset == l.rank * per_rank, "local_expert_offset",
+                 "rank * num_experts / world_size = " + std::to_string(l.rank * per_rank),
+                 std::to_string(p.local_expert_offset));
+  QMOE_CHECK_ARG(p.deterministic, "deterministic", "true (the layer finalizes in fixed order at home)", "false");
+  QMOE_CHECK_ARG(p.quant_mode != QuantMode::kW4A8Int4 || p.fc2_input_scale.has_value(), "fc2_input_scale",
+                 "a static a2 (a dynamic one would differ between the owners)", "None");
+  validate_fused_moe(p);
+  check_low_latency_capacity(p.topk_ids.size(0), l.max_tokens_per_rank);
+}
+
+int64_t low_latency_layer_workspace_size(const LowLatencyLayer& l) {
+  validate_low_latency_layer(l);
+  if (!l.moe.x.is_cuda()) return 0;
+  const Plan plan = make_plan(l);
+  return make_spans(l, plan).total;
+}
+
+void low_latency_layer(const LowLatencyLayer& l, const Exchange& exchange, void* workspace, int64_t workspace_bytes,
+                       cudaStream_t stream) {
+  validate_low_latency_layer(l);
+  QMOE_CHECK_ARG(static_cast<bool>(exchange), "exchange", "a callable all-to-all", "an empty std::function");
+  const FusedMoeParams& p = l.moe;
+  const bool cuda = p.x.is_cuda();
+  const Plan plan = make_plan(l);
+  const Spans s = make_spans(l, plan);
+  std::vector<uint8_t> host;
+  uint8_t* base = nullptr;
+  if (cuda) {
+    QMOE_CHECK_ARG(workspace != nullptr && workspace_bytes >= s.total, "workspace",
+                   "a CUDA buffer of low_latency_layer_workspace_size = " + std::to_string(s.total) + " bytes",
+                   std::to_string(workspace_bytes) + " bytes");
+    base = static_cast<uint8_t*>(workspace);
+  } else {
+    host.resize(static_cast<size_t>(s.total));
+    base = host.data();
+  }
+  const int64_t T = plan.tokens, C = plan.capacity, W = plan.world, k = plan.topk, H = plan.hidden;
+  const int64_t B = plan.row_bytes;
+  auto ref = [&](int64_t offset, DType dtype, std::initializer_list<int64_t> shape) {
+    return make_tensor(base + offset, dtype, shape, p.x.device, p.x.device_index);
+  };
+
+  // 1. Home: the payload rows [C, B] (token t at row t; rows T..C-1 are pads with ids -1).
+  std::vector<Part> parts = plan.parts;
+  size_t i = 0;
+  if (p.quant_mode == QuantMode::kW4A8Int4) {
+    const void* a1 = p.x_scale ? p.x_scale->data : base + s.a1;
+    const bool a1_per_row = p.x_scale && p.x_scale->numel() == T && T != 1;
+    if (plan.dynamic_a1) fp8_dynamic_scale(p.x, ref(s.a1, DType::kFloat32, {1}), stream);
+    if (plan.quantize_x) {
+      const TensorRef scale = p.x_scale ? *p.x_scale : ref(s.a1, DType::kFloat32, {1});
+      quantize_fp8(p.x, scale, ref(s.xq, DType::kFloat8E4M3, {T, H}), stream);
+    }
+    parts[0].src = plan.quantize_x ? static_cast<const void*>(base + s.xq) : p.x.data;
+    parts[0].pitch = H;
+    parts[1].src = a1;
+    parts[1].pitch = a1_per_row ? 4 : 0;
+    i = 2;
+  } else {
+    parts[0].src = p.x.data;
+    parts[0].pitch = parts[0].row_bytes;
+    i = 1;
+    if (p.x_scale) {
+      parts[i].src = p.x_scale->data;
+      parts[i].pitch = parts[i].row_bytes;
+      ++i;
+    }
+    if (p.per_token_scale) {
+      parts[i].src = p.per_token_scale->data;
+      parts[i].pitch = 4;
+      ++i;
+    }
+  }
+  parts[i].src = p.topk_ids.data;
+  parts[i].pitch = 4 * k;
+  uint8_t* send = base + s.send;
+  fill(cuda, send, 0, C * B, stream);  // alignment padding and pad rows: defined bytes on the wire
+  for (const Part& part : parts) {
+    if (part.pitch == 0) {  // a per-tensor a1 in every row of this rank's tokens
+      if (cuda) cuda::ep_broadcast_f32_rows(static_cast<const float*>(part.src), send + part.offset, B, T, stream);
+      else
+        for (int64_t t = 0; t < T; ++t) std::memcpy(send + t * B + part.offset, part.src, 4);
+    } else {
+      copy_rows(cuda, send + part.offset, B, part.src, part.pitch, part.row_bytes, T, stream);
+    }
+  }
+  fill_rows(cuda, send + T * B + parts.back().offset, B, 0xFF, 4 * k, C - T, stream);  // pad ids = -1
+
+  // 2. Dispatch: the same C rows to every peer; C rows from each.
+  uint8_t* recv = base + s.recv;
+  std::vector<PeerTransfer> peers(static_cast<size_t>(W));
+  for (int64_t d = 0; d < W; ++d) peers[d] = PeerTransfer{send, C * B, recv + d * C * B, C * B};
+  exchange(peers, stream);
+
+  // 3. Owner: the received rows as the engine's tensors, then one bf16 row per owned slot.
+  for (size_t j = 0; j < parts.size(); ++j)
+    copy_rows(cuda, base + s.received + s.received_part[j], parts[j].row_bytes, recv + parts[j].offset, B,
+              parts[j].row_bytes, W * C, stream);
+  const FusedMoeParams owner = owner_params(l, plan, s, base);
+  const TensorRef rows = rows_tensor(l, plan, base, s.rows);
+  if (cuda) moe_expert_rows(owner, rows, base + s.engine, s.total - s.engine, stream);
+  else moe_expert_rows(owner, rows);
+
+  // 4. Combine: rows of home h's tokens (block h, C*k rows) back to h.
+  uint8_t* back = base + s.back;
+  const int64_t block = C * k * H * 2;
+  for (int64_t h = 0; h < W; ++h) peers[h] = PeerTransfer{base + s.rows + h * block, block, back + h * block, block};
+  exchange(peers, stream);
+
+  // 5. Home: slot (t, j) owned by d sits at row d*C*k + t*k + j of `back`.
+  const TensorRef row_index = ref(s.row_index, DType::kInt32, {T * k});
+  if (cuda) {
+    cuda::ep_low_latency_row_index(p.topk_ids, p.num_experts, static_cast<int>(W), C, row_index, stream);
+  } else {
+    const int32_t* ids = p.topk_ids.ptr<const int32_t>();
+    int32_t* index = row_index.ptr<int32_t>();
+    const int64_t per_rank = p.num_experts / W;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t e = ids[t * k + j];
+        index[t * k + j] =
+            e >= 0 && e < p.num_experts ? static_cast<int32_t>((e / per_rank) * C * k + t * k + j) : -1;
+      }
+  }
+  MoeFinalizeParams f;
+  f.rows = ref(s.back, DType::kBFloat16, {W * C * k, H});
+  f.topk_ids = p.topk_ids;
+  f.topk_weights = p.topk_weights;
+  f.output = p.output;
+  f.row_index = row_index;
+  f.num_experts = p.num_experts;
+  f.routed_scaling_factor = p.routed_scaling_factor;
+  moe_finalize(f, stream);
+}
+
+}  // namespace qmoe::ep
