@@ -6,6 +6,9 @@
 # of device time each this way (a full device build + suite + benchmarks costs ~250 s).
 #
 # Usage: bash scripts/build_gemm_variants.sh bench/ab/<list>.txt      -> .dev/ab/chk_<name> (+ .log)
+#        QMOE_AB_GEMM=bf16 bash scripts/build_gemm_variants.sh <list>  -> .dev/ab/bf16_<name>: the bf16 x 4-bit
+#        GEMM instead (the sed edits apply to its launcher header, its three format units are rebuilt,
+#        checked by tests/gpu/bf16_w4_gemm_check.cu).
 # List format, one variant per line (# comments and blank lines skipped):
 #   <name> | <sed expression> [| <sed expression> ...]       e.g.
 #   base   | s/xx/xx/
@@ -17,10 +20,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LIST=${1:?usage: build_gemm_variants.sh <variant list>}
-SRC=src/cuda/gemm/sm90_grouped_gemm_w4a8_int4.cu
+GEMM=${QMOE_AB_GEMM:-w4a8}
 OUTDIR=.dev/ab
+if [[ "$GEMM" == bf16 ]]; then
+  SRC=src/cuda/gemm/sm90_grouped_gemm_bf16_w4_launch.cuh
+  UNITS=(src/cuda/gemm/sm90_grouped_gemm_bf16_w4_int4.cu src/cuda/gemm/sm90_grouped_gemm_bf16_w4_nvfp4.cu
+         src/cuda/gemm/sm90_grouped_gemm_bf16_w4_mxfp4.cu)
+  CHECK=tests/gpu/bf16_w4_gemm_check.cu
+  PREFIX=bf16_
+else
+  SRC=src/cuda/gemm/sm90_grouped_gemm_w4a8_int4.cu
+  CHECK=tests/gpu/w4a8_gemm_check.cu
+  PREFIX=chk_
+fi
 CUTLASS_DIR=${CUTLASS_DIR:-$PWD/.dev/cutlass}
-NVCC="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc -I$CUTLASS_DIR/include"
+NVCC_FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a"
+NVCC="nvcc $NVCC_FLAGS -Iinclude -Isrc -I$CUTLASS_DIR/include"
 HOST_CXX=$([[ -x /usr/bin/g++ ]] && echo /usr/bin/g++ || command -v g++)
 
 if [[ ! -f build/ab_lib/build.ninja ]]; then
@@ -28,7 +43,7 @@ if [[ ! -f build/ab_lib/build.ninja ]]; then
     -DCUTLASS_DIR="$CUTLASS_DIR" -DCMAKE_BUILD_TYPE=Release > /dev/null
 fi
 cmake --build build/ab_lib --target qmoe -j"$(nproc)" > /dev/null
-mkdir -p "$OUTDIR" && rm -f "$OUTDIR"/chk_*
+mkdir -p "$OUTDIR" && rm -f "$OUTDIR"/"$PREFIX"*
 tmp=$(mktemp -d)
 while IFS= read -r line; do
   line=${line%%#*}
@@ -43,15 +58,28 @@ while IFS= read -r line; do
       echo "variant $name: '$expr' changes nothing in $SRC" >&2; exit 1
     fi
   done
-  sed "${args[@]}" "$SRC" > "$tmp/$name.cu"
-  {
-    $NVCC -Xptxas -v -c -o "$tmp/$name.o" "$tmp/$name.cu" 2> "$OUTDIR/chk_$name.log"
-    $NVCC -ccbin "$HOST_CXX" -o "$OUTDIR/chk_$name" tests/gpu/w4a8_gemm_check.cu "$tmp/$name.o" build/ab_lib/libqmoe.a \
-      -lpthread -ldl
-    spills=$(grep -cE "[1-9][0-9]* bytes spill stores" "$OUTDIR/chk_$name.log" || true)
-    echo "built $OUTDIR/chk_$name (kernels with spills: $spills)"
-  } &
-  while (( $(jobs -rp | wc -l) >= $(nproc) )); do wait -n; done
+  log="$OUTDIR/$PREFIX$name.log"
+  if ! (
+    set -e
+    if [[ "$GEMM" == bf16 ]]; then  # the edited header first on the include path, then the three units
+      mkdir -p "$tmp/$name/cuda/gemm"
+      sed "${args[@]}" "$SRC" > "$tmp/$name/cuda/gemm/${SRC##*/}"
+      objs=()
+      for u in "${UNITS[@]}"; do
+        nvcc $NVCC_FLAGS -I"$tmp/$name" -Iinclude -Isrc -I"$CUTLASS_DIR/include" -Xptxas -v -c \
+          -o "$tmp/$name/${u##*/}.o" "$u" 2>> "$log"
+        objs+=("$tmp/$name/${u##*/}.o")
+      done
+    else
+      sed "${args[@]}" "$SRC" > "$tmp/$name.cu"
+      $NVCC -Xptxas -v -c -o "$tmp/$name.o" "$tmp/$name.cu" 2> "$log"
+      objs=("$tmp/$name.o")
+    fi
+    $NVCC -ccbin "$HOST_CXX" -o "$OUTDIR/$PREFIX$name" "$CHECK" "${objs[@]}" build/ab_lib/libqmoe.a -lpthread -ldl
+    spills=$(grep -cE "[1-9][0-9]* bytes spill stores" "$log" || true)
+    echo "built $OUTDIR/$PREFIX$name (kernels with spills: $spills)"
+  ); then echo "variant $name FAILED to build: see $log (grep error)"; fi &
+  while (( $(jobs -rp | wc -l) >= $(nproc) )); do wait -n || true; done
 done < "$LIST"
-wait
+wait || true
 rm -rf "$tmp"

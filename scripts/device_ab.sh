@@ -12,8 +12,19 @@ cd "$(dirname "$0")/.."
 export QMOE_BENCH_BATCH=1 QMOE_BENCH_TACTIC=${QMOE_AB_TACTIC:-heuristic} QMOE_BENCH_T=${QMOE_AB_T:-1,8,64,256}
 export QMOE_BENCH_SHAPES=${QMOE_AB_SHAPES:-256:8:4096:7168,256:8:7168:2048,128:8:3072:4096,8:2:28672:4096,8:2:4096:14336,128:8:1536:2048,128:8:2048:768}
 bins=()
-for b in .dev/ab/chk_*; do [[ "$b" != *.log ]] && bins+=("$b"); done
-[[ ${#bins[@]} -gt 0 && -x "${bins[0]}" ]] || { echo "no .dev/ab/chk_* binaries: run scripts/build_gemm_variants.sh here and carry .dev/ab"; exit 2; }
+for b in .dev/ab/chk_*; do [[ -x "$b" && "$b" != *.log ]] && bins+=("$b"); done
+bf16=()
+for b in .dev/ab/bf16_*; do [[ -x "$b" && "$b" != *.log ]] && bf16+=("$b"); done
+if [[ ${#bf16[@]} -gt 0 ]]; then  # bf16 x 4-bit variants: DeepSeek-V3 GEMM1/GEMM2, int4 and NVFP4, heuristic rows
+  echo "bf16 x 4-bit GEMM (tests/gpu/bf16_w4_gemm_check.cu --bench-only ${QMOE_AB_MAX_T:-512}): us per format/gemm/T"
+  for b in "${bf16[@]}" "${bf16[0]}"; do
+    if [[ "${QMOE_AB_CHECK:-0}" == 1 ]]; then
+      echo "${b##*/bf16_} check: $(timeout 120 "$b" 2>&1 | grep -E '^correctness')"
+    fi
+    echo "${b##*/bf16_}: $(timeout 120 "$b" --bench-only "${QMOE_AB_MAX_T:-512}" 2>&1 | grep -E '^\| [a-z0-9]+ +\| gemm' | grep '\*' | awk -F'|' '$4 ~ /[0-9]/ {gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/ /, "", $4); gsub(/ /, "", $6); printf "%s/%s/T%s %s; ", $2, $3, $4, $6}')"
+  done
+fi
+[[ ${#bins[@]} -gt 0 ]] || { [[ ${#bf16[@]} -gt 0 ]] && exit 0; echo "no .dev/ab binaries: run scripts/build_gemm_variants.sh here and carry .dev/ab"; exit 2; }
 echo "shapes (gemm<i> = i-th): $QMOE_BENCH_SHAPES; T: $QMOE_BENCH_T; tactic: $QMOE_BENCH_TACTIC"
 for b in "${bins[@]}" "${bins[0]}"; do
   name=${b##*/chk_}

@@ -113,9 +113,11 @@ __device__ __forceinline__ uint32_t scale_splat(uint32_t byte) {
   }
 }
 
-template <W4Format F, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES>
+// WARPS_K: warps splitting the K groups of a stage (warp k takes the groups g with g % WARPS_K == k),
+// whose sums meet in shared memory at the end of a tile (kSplitBytes), as in the W4A8 kernel.
+template <W4Format F, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K = 1>
 struct Config {
-  static constexpr int kThreads = WARPS_M * WARPS_N * 32;
+  static constexpr int kThreads = WARPS_M * WARPS_N * WARPS_K * 32;
   static constexpr int kTileM = WARPS_M * MF * 16;
   static constexpr int kTileN = WARPS_N * NF * 8;
   static constexpr int kTileK = GPS * kGroup;
@@ -131,7 +133,9 @@ struct Config {
   static constexpr int kStageS = F == W4Format::kInt4G128 ? kStageSInt4 : F == W4Format::kNvfp4 ? GPS * 1024 : GPS * 512;
   static constexpr int kStageBytes = kStageB + kStageA + kStageS;
   static constexpr int kTileStartBytes = ((kTileListMaxExperts + 1) * 4 + 127) / 128 * 128;
-  static constexpr int kSmemBytes = kTileStartBytes + STAGES * kStageBytes;
+  static constexpr int kSplitBytes = (WARPS_K - 1) * WARPS_M * WARPS_N * 32 * MF * NF * 4 * 4;
+  static constexpr int kSmemBytes = kTileStartBytes + STAGES * kStageBytes + kSplitBytes;
+  static_assert(GPS % WARPS_K == 0, "every K warp takes the same number of groups of a stage");
   static_assert(kTileM == kTileRows, "the FP4 scale tiles are 128 rows");
   static_assert(GPS == 1 || GPS == 2 || GPS == 4, "stages cover whole packed-4 scale blocks or lie in one");
   static_assert(kStageS / 16 <= kThreads, "one scale copy per thread");
@@ -143,11 +147,12 @@ struct Config {
 // 8 bank groups.
 __device__ __forceinline__ int swizzle_a(int chunk, int row) { return chunk ^ (((chunk >> 3) & 1) << 1) ^ (row & 1); }
 
-template <W4Format F, class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
-__global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
+template <W4Format F, class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS,
+          int WARPS_K = 1>
+__global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     sm90_grouped_gemm_bf16_w4_kernel(const Bf16W4Params p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
-  using Cfg = Config<F, WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
+  using Cfg = Config<F, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K>;
   constexpr int kTileM = Cfg::kTileM;
   constexpr int kTileN = Cfg::kTileN;
   constexpr int kThreads = Cfg::kThreads;
@@ -275,7 +280,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
 
   // ---- Consumer.
   const int warp_m = warp % WARPS_M;
-  const int warp_n = warp / WARPS_M;
+  const int warp_n = (warp / WARPS_M) % WARPS_N;
+  const int warp_k = warp / (WARPS_M * WARPS_N);
   const int gid = lane >> 2;
   const int tig = lane & 3;
   float acc[MF][NF][4];
@@ -306,7 +312,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
     const uint8_t* ss = sa + Cfg::kStageA;
 
 #pragma unroll
-    for (int gg = 0; gg < GPS; ++gg) {
+    for (int gk = 0; gk < GPS / WARPS_K; ++gk) {
+      const int gg = gk * WARPS_K + warp_k;  // this warp's groups of the stage
       const int g = s * GPS + gg;
       if (GPS > 1 && g >= groups) break;  // K tail of the last stage (uniform branch)
       uint4 w[MF][2];
@@ -409,6 +416,35 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MIN_BLOCKS)
     }
 
     if (s == stages_per_tile - 1) {
+      if constexpr (WARPS_K > 1) {
+        // ---- K warps meet: warps k > 0 park their sums, warp k = 0 adds them in k order.
+        float* park = reinterpret_cast<float*>(stages + STAGES * Cfg::kStageBytes);
+        constexpr int kAccs = MF * NF * 4;
+        constexpr int kMnThreads = WARPS_M * WARPS_N * 32;
+        const int mn_tid = tid % kMnThreads;
+        if (warp_k > 0) {
+#pragma unroll
+          for (int i = 0; i < MF; ++i)
+#pragma unroll
+            for (int j = 0; j < NF; ++j)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) {
+                park[((warp_k - 1) * kAccs + (i * NF + j) * 4 + c) * kMnThreads + mn_tid] = acc[i][j][c];
+                acc[i][j][c] = 0.f;
+              }
+        }
+        __syncthreads();
+        if (warp_k > 0) continue;  // (the next iteration's barrier retires `park` before its next use)
+#pragma unroll
+        for (int k = 1; k < WARPS_K; ++k)
+#pragma unroll
+          for (int i = 0; i < MF; ++i)
+#pragma unroll
+            for (int j = 0; j < NF; ++j)
+#pragma unroll
+              for (int c = 0; c < 4; ++c)
+                acc[i][j][c] += park[((k - 1) * kAccs + (i * NF + j) * 4 + c) * kMnThreads + mn_tid];
+      }
       // ---- Epilogue: D[row, n] = out(s[row] * (post * acc)); lanes gid, gid ^ 1 swap values so each
       // stores two adjacent features of one token.
       constexpr float kPost = F == W4Format::kNvfp4 ? 256.0f : 1.0f;  // undoes the 2^-8 of the NVFP4 decode

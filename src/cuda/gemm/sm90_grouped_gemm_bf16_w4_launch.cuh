@@ -16,10 +16,12 @@
 
 namespace qmoe::cuda::bf16w4 {
 
-template <W4Format F, class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
+template <W4Format F, class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS,
+          int WARPS_K>
 void launch_typed(const Bf16W4Params& params, int64_t rows, int device, cudaStream_t stream) {
-  using Cfg = Config<F, WARPS_M, WARPS_N, MF, NF, GPS, STAGES>;
-  constexpr auto kernel = sm90_grouped_gemm_bf16_w4_kernel<F, OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>;
+  using Cfg = Config<F, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K>;
+  constexpr auto kernel =
+      sm90_grouped_gemm_bf16_w4_kernel<F, OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS, WARPS_K>;
   const int fit = resident_ctas<kernel>(Cfg::kThreads, Cfg::kSmemBytes, device, "occupancy of the bf16 x 4-bit gemm");
   const int64_t n_tiles = (params.n + Cfg::kTileM - 1) / Cfg::kTileM;
   const int64_t max_tiles = (rows / Cfg::kTileN + params.num_experts) * n_tiles;
@@ -28,12 +30,15 @@ void launch_typed(const Bf16W4Params& params, int64_t rows, int device, cudaStre
   check_cuda(cudaGetLastError(), "launch of sm90_grouped_gemm_bf16_w4");
 }
 
-template <W4Format F, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS>
+// WARPS_K (warps splitting the K groups of a stage) is 1 in every shipped tactic; the A/B runs of
+// scripts/build_gemm_variants.sh try more (bench/ab/bf16_decode_tiles.txt).
+template <W4Format F, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS, int WARPS_K = 1>
 void launch_out(const Bf16W4Params& params, bool fp32_out, int64_t rows, int device, cudaStream_t stream) {
   if (fp32_out) {
-    launch_typed<F, float, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>(params, rows, device, stream);
+    launch_typed<F, float, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS, WARPS_K>(params, rows, device, stream);
   } else {
-    launch_typed<F, __nv_bfloat16, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS>(params, rows, device, stream);
+    launch_typed<F, __nv_bfloat16, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS, WARPS_K>(params, rows, device,
+                                                                                             stream);
   }
 }
 
