@@ -9,11 +9,13 @@
 #        QMOE_AB_GEMM=bf16 bash scripts/build_gemm_variants.sh <list>  -> .dev/ab/bf16_<name>: the bf16 x 4-bit
 #        GEMM instead (the sed edits apply to its launcher header, its three format units are rebuilt,
 #        checked by tests/gpu/bf16_w4_gemm_check.cu).
+#        QMOE_AB_SRC=src/cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.cu: edits of the W4A8 WGMMA unit.
 # List format, one variant per line (# comments and blank lines skipped):
 #   <name> | <sed expression> [| <sed expression> ...]       e.g.
 #   base   | s/xx/xx/
 #   m64s3  | s/launch<2, 1, 2, 1, 4, 4, 2, 2>/launch<2, 1, 2, 1, 4, 3, 2, 3>/
-# A sed expression that changes nothing is an error (a stale list would silently measure the base).
+# ('|' separates the expressions, so it cannot appear inside one.) A sed expression that changes nothing
+# or that sed rejects is an error (a stale list would silently measure the base).
 # The library comes from build/ab_lib (configured with the CUDA kernels on first use, then rebuilt
 # incrementally, ~30 s on 2 cores); CUTLASS_DIR defaults to .dev/cutlass.
 # Then on the device: run `bash scripts/device_ab.sh` with carry [".dev/ab"].
@@ -29,7 +31,7 @@ if [[ "$GEMM" == bf16 ]]; then
   CHECK=tests/gpu/bf16_w4_gemm_check.cu
   PREFIX=bf16_
 else
-  SRC=src/cuda/gemm/sm90_grouped_gemm_w4a8_int4.cu
+  SRC=${QMOE_AB_SRC:-src/cuda/gemm/sm90_grouped_gemm_w4a8_int4.cu}  # or the WGMMA unit (..._wgmma.cu)
   CHECK=tests/gpu/w4a8_gemm_check.cu
   PREFIX=chk_
 fi
@@ -54,6 +56,9 @@ while IFS= read -r line; do
   for ((i = 1; i < ${#parts[@]}; ++i)); do
     expr=$(echo "${parts[$i]}" | sed 's/^ *//; s/ *$//')
     args+=(-e "$expr")
+    if ! sed -e "$expr" "$SRC" > /dev/null; then
+      echo "variant $name: sed rejects '$expr'" >&2; exit 1
+    fi
     if [[ "$expr" != "s/xx/xx/" ]] && [[ "$(sed -e "$expr" "$SRC")" == "$(cat "$SRC")" ]]; then
       echo "variant $name: '$expr' changes nothing in $SRC" >&2; exit 1
     fi

@@ -166,7 +166,8 @@ __device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const Group
   }
 }
 
-template <class OutT, int TILE_N>
+// BIASED: the experiment described at wgmma_ws::kernel (not in any shipped tactic).
+template <class OutT, int TILE_N, bool BIASED = false>
 __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const WgmmaGemmParams p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   using S = Shape<TILE_N>;
@@ -239,26 +240,44 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const W
     // 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then r1.
     uint32_t a[4][4];
     const int shift = (tig & 1) * 16;
+    [[maybe_unused]] const uint32_t select = (tig & 1) ? 0x7362u : 0x5140u;  // BIASED: 4 nibbles in K order
+    [[maybe_unused]] auto biased4 = [&](uint32_t x) {
+      const uint32_t even = (x & 0x0F0F0F0Fu) ^ 0x08080808u, odd = ((x >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u;
+      return prmt(even, odd, select);
+    };
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const uint32_t lo0 = (tig & 2) ? w0[s].y : w0[s].x, hi0 = (tig & 2) ? w0[s].w : w0[s].z;
       const uint32_t lo1 = (tig & 2) ? w1[s].y : w1[s].x, hi1 = (tig & 2) ? w1[s].w : w1[s].z;
-      a[s][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
-      a[s][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
-      a[s][2] = int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
-      a[s][3] = int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
+      if constexpr (BIASED) {
+        a[s][0] = biased4(lo0);
+        a[s][1] = biased4(lo1);
+        a[s][2] = biased4(hi0);
+        a[s][3] = biased4(hi1);
+      } else {
+        a[s][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
+        a[s][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
+        a[s][2] = int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
+        a[s][3] = int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
+      }
     }
     const uint64_t desc = make_desc_sw128(smem_u32(st));
     wgmma_fence();
     fence_operands(part);
 #pragma unroll
     for (int s = 0; s < 4; ++s) wgmma_k32<kTileN>(part, a[s][0], a[s][1], a[s][2], a[s][3], desc + 2 * s, s > 0);
+    if constexpr (BIASED) {
+      constexpr uint32_t kMinus8 = 0x88888888u;  // four e4m3 -8 * 2^-9
+#pragma unroll
+      for (int s = 0; s < 4; ++s) wgmma_k32<kTileN>(part, kMinus8, kMinus8, kMinus8, kMinus8, desc + 2 * s, 1);
+    }
     wgmma_commit();
     wgmma_wait_all();
     fence_operands(part);
     // Group promotion (fp32 FMA with the bf16 scale of the row, g increasing).
-    const float s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
-    const float s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
+    constexpr float kUnit = BIASED ? 512.f : 1.f;  // biased codes count in units of 2^-9
+    const float s0 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
+    const float s1 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
 #pragma unroll
     for (int j = 0; j < kTileN / 8; ++j) {
       acc[4 * j + 0] = fmaf(s0, part[4 * j + 0], acc[4 * j + 0]);
@@ -344,7 +363,12 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
   } while (!done);
 }
 
-template <class OutT, int TILE_N>
+// BIASED (an experiment, not in any shipped tactic; bench/ab/w4a8_wgmma_biased.txt): the weights enter
+// as biased codes q + 8 (the byte (q XOR 8) is (q + 8) * 2^-9 exactly in e4m3: 4 instructions per 4
+// weights instead of ~9 for the exact lookup), and one more wgmma per K step with every weight -8 * 2^-9
+// cancels the bias inside the same fp32 partial (twice the tensor work; the fp8 accumulation then also
+// carries the bias term, whose rounding the A/B run must measure against the 1e-2 tolerance).
+template <class OutT, int TILE_N, bool BIASED = false>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   using S = Shape<TILE_N>;
@@ -420,10 +444,24 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
     for (int k = 0; k < 4; ++k) {
       const uint32_t lo0 = (tig & 2) ? w0[k].y : w0[k].x, hi0 = (tig & 2) ? w0[k].w : w0[k].z;
       const uint32_t lo1 = (tig & 2) ? w1[k].y : w1[k].x, hi1 = (tig & 2) ? w1[k].w : w1[k].z;
-      out[k][0] = wgmma_prefill::int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
-      out[k][1] = wgmma_prefill::int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
-      out[k][2] = wgmma_prefill::int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
-      out[k][3] = wgmma_prefill::int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
+      if constexpr (BIASED) {
+        // Bytes (q XOR 8) of nibbles 0, 2, 4, 6 and 1, 3, 5, 7; this thread's 4 consecutive ones
+        // (nibbles 0-3, or 4-7 for odd tig) interleaved back into K order by one byte permute.
+        const uint32_t select = (tig & 1) ? 0x7362u : 0x5140u;
+        auto biased4 = [&](uint32_t x) {
+          const uint32_t even = (x & 0x0F0F0F0Fu) ^ 0x08080808u, odd = ((x >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u;
+          return prmt(even, odd, select);
+        };
+        out[k][0] = biased4(lo0);
+        out[k][1] = biased4(lo1);
+        out[k][2] = biased4(hi0);
+        out[k][3] = biased4(hi1);
+      } else {
+        out[k][0] = wgmma_prefill::int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
+        out[k][1] = wgmma_prefill::int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
+        out[k][2] = wgmma_prefill::int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
+        out[k][3] = wgmma_prefill::int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
+      }
     }
   };
 
@@ -439,13 +477,19 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
     const uint8_t* st = stages + s * S::kStageBytes;
     const uint64_t desc = wgmma_prefill::make_desc_sw128(wgmma_prefill::smem_u32(st));
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
-    const float s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
-    const float s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
+    constexpr float kUnit = BIASED ? 512.f : 1.f;  // biased codes count in units of 2^-9
+    const float s0 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
+    const float s1 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
     wgmma_prefill::wgmma_fence();
     wgmma_prefill::fence_operands(part);
 #pragma unroll
     for (int k = 0; k < 4; ++k)
       wgmma_prefill::wgmma_k32<TILE_N>(part, a[k][0], a[k][1], a[k][2], a[k][3], desc + 2 * k, k > 0);
+    if constexpr (BIASED) {
+      constexpr uint32_t kMinus8 = 0x88888888u;  // four e4m3 -8 * 2^-9
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wgmma_prefill::wgmma_k32<TILE_N>(part, kMinus8, kMinus8, kMinus8, kMinus8, desc + 2 * k, 1);
+    }
     wgmma_prefill::wgmma_commit();
     wgmma_prefill::wgmma_wait_all();
     wgmma_prefill::fence_operands(part);
@@ -491,10 +535,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
 }  // namespace wgmma_ws
 
 namespace {
-template <class OutT, int TILE_N>
+template <class OutT, int TILE_N, bool BIASED = false>
 void launch_ws(const WgmmaGemmParams& params, cudaStream_t stream) {
   constexpr int kSmem = wgmma_ws::Shape<TILE_N>::kSmemBytes;
-  constexpr auto kernel = wgmma_ws::kernel<OutT, TILE_N>;
+  constexpr auto kernel = wgmma_ws::kernel<OutT, TILE_N, BIASED>;
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   const int fit = resident_ctas<kernel>(wgmma_ws::kThreads, kSmem, device, "occupancy of the w4a8 wgmma prefill");
@@ -505,13 +549,13 @@ void launch_ws(const WgmmaGemmParams& params, cudaStream_t stream) {
 // 128-token tiles: the warp-specialized kernel (1.1-1.25x faster on the H200 at DeepSeek-V3,
 // Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_h200_wgmma_ws.md); 64-token tiles
 // keep the two-CTAs-per-SM kernel, which measured 1-5% faster there.
-template <class OutT, int TILE_N>
+template <class OutT, int TILE_N, bool BIASED = false>
 void launch_typed(const WgmmaGemmParams& params, cudaStream_t stream) {
   if constexpr (TILE_N == 128) {
-    launch_ws<OutT, TILE_N>(params, stream);
+    launch_ws<OutT, TILE_N, BIASED>(params, stream);
   } else {
     constexpr int kSmem = wgmma_prefill::Shape<TILE_N>::kSmemBytes;
-    constexpr auto kernel = wgmma_prefill::kernel<OutT, TILE_N>;
+    constexpr auto kernel = wgmma_prefill::kernel<OutT, TILE_N, BIASED>;
     int device = 0;
     check_cuda(cudaGetDevice(&device), "cudaGetDevice");
     // The 64-token tile needs ~120 registers and 75 KB: two CTAs fit on an SM, and both are used.
