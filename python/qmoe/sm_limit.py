@@ -9,12 +9,15 @@ CPU arrays ignore it. CUDA graphs keep the limit that held at capture.
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 from . import _C
 
 
 def set_sm_limit(sms: int) -> None:
     """This thread's limit from now on (0: no limit)."""
+    if isinstance(sms, bool) or not isinstance(sms, numbers.Integral):
+        raise TypeError(f"qmoe: argument 'sms': expected an integer number of SMs >= 0, got {sms!r}")
     _C.set_sm_limit(int(sms))
 
 

@@ -12,6 +12,7 @@
 #include "cuda/launch.h"
 #include "qmoe/expert_parallel.h"
 #include "qmoe/formats.h"
+#include "qmoe/tactics.h"
 
 namespace qmoe::ep {
 
@@ -84,16 +85,18 @@ FusedMoeParams owner_params(const LowLatencyLayer& l, const Plan& plan, const Sp
   const int64_t received = plan.world * plan.capacity;
   const Device device = l.moe.x.device;
   const int index = l.moe.x.device_index;
-  auto tensor = [&](int64_t offset, DType dtype, int64_t cols) {
-    return cols == 1 ? make_tensor(base + offset, dtype, {received}, device, index)
-                     : make_tensor(base + offset, dtype, {received, cols}, device, index);
+  auto tensor = [&](int64_t offset, DType dtype, int64_t cols) {  // [W*C, cols]
+    return make_tensor(base + offset, dtype, {received, cols}, device, index);
+  };
+  auto vector = [&](int64_t offset) {  // a per-row fp32 value: [W*C]
+    return make_tensor(base + offset, DType::kFloat32, {received}, device, index);
   };
   FusedMoeParams o = l.moe;
   size_t i = 0;
   o.x = tensor(s.received + s.received_part[i], plan.parts[i].dtype, plan.parts[i].row_elems);
   ++i;
   if (l.moe.quant_mode == QuantMode::kW4A8Int4) {
-    o.x_scale = tensor(s.received + s.received_part[i], DType::kFloat32, 1);
+    o.x_scale = vector(s.received + s.received_part[i]);
     ++i;
   } else {
     if (l.moe.x_scale) {
@@ -101,7 +104,7 @@ FusedMoeParams owner_params(const LowLatencyLayer& l, const Plan& plan, const Sp
       ++i;
     }
     if (l.moe.per_token_scale) {
-      o.per_token_scale = tensor(s.received + s.received_part[i], DType::kFloat32, 1);
+      o.per_token_scale = vector(s.received + s.received_part[i]);
       ++i;
     }
   }
@@ -200,6 +203,13 @@ void validate_low_latency_layer(const LowLatencyLayer& l) {
                  "a static a2 (a dynamic one would differ between the owners)", "None");
   validate_fused_moe(p);
   check_low_latency_capacity(p.topk_ids.size(0), l.max_tokens_per_rank);
+  // The owner's engine runs after the dispatch: a tactic it would refuse must fail here, before it.
+  if (!p.x.is_cuda()) {
+    QMOE_CHECK_ARG(p.tactic.empty(), "tactic", "empty on CPU tensors (the CPU reference has no tactics)",
+                   "'" + p.tactic + "'");
+  } else if (!p.tactic.empty()) {
+    parse_tactic(p.tactic);  // names 'tactic' when it is no compiled tactic
+  }
 }
 
 int64_t low_latency_layer_workspace_size(const LowLatencyLayer& l) {

@@ -195,6 +195,21 @@ TEST(EpLowLatencyLayer, A1StaticPerTokenDynamicAndE4m3Input) {
   }
 }
 
+TEST(EpLowLatencyLayer, TopOneEveryMode) {  // k = 1: the received ids stay [W*C, 1]
+  const QuantMode modes[] = {QuantMode::kW4A8Int4, QuantMode::kW4A16Int4, QuantMode::kW4A16, QuantMode::kW4A4,
+                             QuantMode::kW4A8Mx};
+  uint64_t seed = 60;
+  for (QuantMode mode : modes) {
+    EpSetup s;
+    s.cfg.mode = mode;
+    s.cfg.E = 4;
+    s.cfg.k = 1;
+    s.tokens = {4, 3};
+    SCOPED_TRACE(qmoe::quant_mode_name(mode));
+    check_ep_equals_single(s, seed++);
+  }
+}
+
 TEST(EpLowLatencyLayer, FourRanksEmptyRankAndFullCapacity) {
   EpSetup s;
   s.world = 4;

@@ -224,6 +224,7 @@ TEST(HostileInputs, FusedMoe) { hostile_loop<FusedCall>("fused_moe", 2000, 3); }
 TEST(HostileInputs, Formats) { hostile_loop<FormatsCall>("formats", 3000, 4); }
 TEST(HostileInputs, MoeFinalize) { hostile_loop<FinalizeCall>("moe_finalize", 3000, 5); }
 TEST(HostileInputs, MoeExpertRows) { hostile_loop<ExpertRowsCall>("moe_expert_rows", 2000, 6); }
+TEST(HostileInputs, EpLowLatencyLayer) { hostile_loop<EpLayerCall>("ep_low_latency_layer", 1500, 7); }
 
 namespace {
 

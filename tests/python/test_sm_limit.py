@@ -55,6 +55,16 @@ def test_negative_refused_by_name_and_nothing_changes(bad):
         assert qmoe.sm_limit() == 5
 
 
+@pytest.mark.parametrize("bad", [2.5, "8", True, None])
+def test_non_integers_refused_by_name(bad):
+    with pytest.raises(TypeError, match="'sms'"):
+        qmoe.set_sm_limit(bad)
+    assert qmoe.sm_limit() == 0
+    qmoe.set_sm_limit(np.int64(4))  # numpy integers are integers
+    assert qmoe.sm_limit() == 4
+    qmoe.set_sm_limit(0)
+
+
 def test_cpu_results_ignore_the_limit():
     case = testing.make_fused_moe_case("w4a8_int4", 9, 256, 128, 8, 2, seed=3)
     free = qmoe.fused_moe(**case)
