@@ -64,23 +64,24 @@ while IFS= read -r line; do
     fi
   done
   log="$OUTDIR/$PREFIX$name.log"
+  # (no `set -e` inside: bash ignores it in a tested subshell, hence the explicit exits)
   if ! (
-    set -e
     if [[ "$GEMM" == bf16 ]]; then  # the edited header first on the include path, then the three units
       mkdir -p "$tmp/$name/cuda/gemm"
-      sed "${args[@]}" "$SRC" > "$tmp/$name/cuda/gemm/${SRC##*/}"
+      sed "${args[@]}" "$SRC" > "$tmp/$name/cuda/gemm/${SRC##*/}" || exit 1
       objs=()
       for u in "${UNITS[@]}"; do
         nvcc $NVCC_FLAGS -I"$tmp/$name" -Iinclude -Isrc -I"$CUTLASS_DIR/include" -Xptxas -v -c \
-          -o "$tmp/$name/${u##*/}.o" "$u" 2>> "$log"
+          -o "$tmp/$name/${u##*/}.o" "$u" 2>> "$log" || exit 1
         objs+=("$tmp/$name/${u##*/}.o")
       done
     else
-      sed "${args[@]}" "$SRC" > "$tmp/$name.cu"
-      $NVCC -Xptxas -v -c -o "$tmp/$name.o" "$tmp/$name.cu" 2> "$log"
+      sed "${args[@]}" "$SRC" > "$tmp/$name.cu" || exit 1
+      $NVCC -I"$(dirname "$SRC")" -Xptxas -v -c -o "$tmp/$name.o" "$tmp/$name.cu" 2> "$log" || exit 1
       objs=("$tmp/$name.o")
     fi
-    $NVCC -ccbin "$HOST_CXX" -o "$OUTDIR/$PREFIX$name" "$CHECK" "${objs[@]}" build/ab_lib/libqmoe.a -lpthread -ldl
+    $NVCC -ccbin "$HOST_CXX" -o "$OUTDIR/$PREFIX$name" "$CHECK" "${objs[@]}" build/ab_lib/libqmoe.a -lpthread -ldl \
+      || exit 1
     spills=$(grep -cE "[1-9][0-9]* bytes spill stores" "$log" || true)
     echo "built $OUTDIR/$PREFIX$name (kernels with spills: $spills)"
   ); then echo "variant $name FAILED to build: see $log (grep error)"; fi &
