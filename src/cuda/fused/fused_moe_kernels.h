@@ -17,7 +17,8 @@ namespace qmoe::cuda::fused {
 
 // Routing metadata in the workspace (see fused_moe_workspace.h and include/qmoe/routing.h).
 struct RowRouting {
-  const int32_t* local_ids;          // [S] local expert of each flat slot, -1 if none
+  const int32_t* local_ids;          // [S] local expert of each flat slot kept by the routing (others: -1,
+                                     // or the raw id when every expert is local)
   const int32_t* expert_offsets;     // [E_l + 1]; [E_l] = valid rows
   const int32_t* input_permutation;  // [S] row -> flat slot
   int num_local;                     // E_l

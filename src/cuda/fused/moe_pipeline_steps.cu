@@ -23,13 +23,18 @@ RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& b,
   auto tensor = [device](int32_t* data, std::initializer_list<int64_t> shape) {
     return make_tensor(data, DType::kInt32, shape, Device::kCUDA, device);
   };
-  local_expert_ids(p.topk_ids.ptr<const int32_t>(), b.local_ids, slots, p.num_experts, p.local_expert_offset, local,
-                   stream);
-  moe_mm_data(tensor(b.local_ids, {slots}), tensor(b.offsets, {local + 1}), tensor(b.sizes1, {local, 3}),
+  // Every expert local (no expert parallelism): the ids are their own local ids, and moe_mm_data drops
+  // the out-of-range ones itself, so the shifting kernel (~1 us at decode) is skipped. The kernels
+  // after it read local ids only of the slots the routing keeps, where both agree.
+  const bool all_local = p.local_expert_offset == 0 && local == p.num_experts;
+  int32_t* ids = all_local ? const_cast<int32_t*>(p.topk_ids.ptr<const int32_t>()) : b.local_ids;
+  if (!all_local)
+    local_expert_ids(p.topk_ids.ptr<const int32_t>(), b.local_ids, slots, p.num_experts, p.local_expert_offset, local,
+                     stream);
+  moe_mm_data(tensor(ids, {slots}), tensor(b.offsets, {local + 1}), tensor(b.sizes1, {local, 3}),
               tensor(b.sizes2, {local, 3}), tensor(b.input_permutation, {slots}),
               tensor(b.output_permutation, {slots}), local, inter, hidden, stream);
-  return RowRouting{b.local_ids, b.offsets, b.input_permutation, static_cast<int>(local), static_cast<int>(topk),
-                    slots};
+  return RowRouting{ids, b.offsets, b.input_permutation, static_cast<int>(local), static_cast<int>(topk), slots};
 }
 
 void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* output_permutation, int64_t hidden,
