@@ -5,11 +5,13 @@
 # local libqmoe.a, so it replaces the library's launcher. Session 4 ran 5-variant A/B rounds for ~35 s
 # of device time each this way (a full device build + suite + benchmarks costs ~250 s).
 #
-# Usage: bash scripts/build_gemm_variants.sh bench/ab/<list>.txt      -> .dev/ab/chk_<name> (+ .log)
-#        QMOE_AB_GEMM=bf16 bash scripts/build_gemm_variants.sh <list>  -> .dev/ab/bf16_<name>: the bf16 x 4-bit
-#        GEMM instead (the sed edits apply to its launcher header, its three format units are rebuilt,
-#        checked by tests/gpu/bf16_w4_gemm_check.cu).
-#        QMOE_AB_SRC=src/cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.cu: edits of the W4A8 WGMMA unit.
+# Usage: bash scripts/build_gemm_variants.sh bench/ab/<list>.txt  -> .dev/ab/<list>/chk_<name> (+ .log)
+# The list itself may say what it edits and how the device runs it, in comment lines:
+#   # ab-build: QMOE_AB_GEMM=bf16     the bf16 x 4-bit GEMM (its launcher header, rebuilt into its three
+#                                     format units, checked by tests/gpu/bf16_w4_gemm_check.cu: bf16_<name>)
+#   # ab-build: QMOE_AB_SRC=<unit>    another W4A8 unit (e.g. src/cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.cu)
+#   # ab-env: QMOE_AB_T=256,1024      options for scripts/device_ab.sh when it runs this list
+# `bash scripts/build_gemm_variants.sh all` builds every list in bench/ab.
 # List format, one variant per line (# comments and blank lines skipped):
 #   <name> | <sed expression> [| <sed expression> ...]       e.g.
 #   base   | s/xx/xx/
@@ -21,9 +23,15 @@
 # Then on the device: run `bash scripts/device_ab.sh` with carry [".dev/ab"].
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LIST=${1:?usage: build_gemm_variants.sh <variant list>}
+LIST=${1:?usage: build_gemm_variants.sh <variant list> | all}
+if [[ "$LIST" == all ]]; then
+  for l in bench/ab/*.txt; do bash "$0" "$l" || exit 1; done
+  exit 0
+fi
+# shellcheck disable=SC2046 # the list's ab-build words are NAME=value assignments
+eval "$(grep -E '^# ab-build:' "$LIST" | sed 's/^# ab-build://' | sed 's/\([A-Z_]*=\)/export \1/g')"
 GEMM=${QMOE_AB_GEMM:-w4a8}
-OUTDIR=.dev/ab
+OUTDIR=.dev/ab/$(basename "$LIST" .txt)
 if [[ "$GEMM" == bf16 ]]; then
   SRC=src/cuda/gemm/sm90_grouped_gemm_bf16_w4_launch.cuh
   UNITS=(src/cuda/gemm/sm90_grouped_gemm_bf16_w4_int4.cu src/cuda/gemm/sm90_grouped_gemm_bf16_w4_nvfp4.cu
@@ -45,7 +53,7 @@ if [[ ! -f build/ab_lib/build.ninja ]]; then
     -DCUTLASS_DIR="$CUTLASS_DIR" -DCMAKE_BUILD_TYPE=Release > /dev/null
 fi
 cmake --build build/ab_lib --target qmoe -j"$(nproc)" > /dev/null
-mkdir -p "$OUTDIR" && rm -f "$OUTDIR"/"$PREFIX"*
+rm -rf "$OUTDIR" && mkdir -p "$OUTDIR"
 tmp=$(mktemp -d)
 while IFS= read -r line; do
   line=${line%%#*}
