@@ -79,38 +79,46 @@ struct Spans {
   std::vector<int64_t> received_part;  // offset of each part's [W*C, ...] tensor inside `received`
 };
 
-// The owner's engine call over the received tokens; `base` = the workspace base (or any non-null
-// address when only sizes are wanted).
-FusedMoeParams owner_params(const LowLatencyLayer& l, const Plan& plan, const Spans& s, uint8_t* base) {
-  const int64_t received = plan.world * plan.capacity;
-  const Device device = l.moe.x.device;
-  const int index = l.moe.x.device_index;
-  auto tensor = [&](int64_t offset, DType dtype, int64_t cols) {  // [W*C, cols]
-    return make_tensor(base + offset, dtype, {received, cols}, device, index);
+// The owner's engine call over `received` tokens whose payload parts lie at part_data[i] ([received,
+// row_elems] each); `weights` holds an unread [received, k] f32 topk_weights (checked, never read).
+FusedMoeParams owner_params_at(const FusedMoeParams& moe, const Plan& plan, int64_t received,
+                               const std::vector<uint8_t*>& part_data, void* weights) {
+  const Device device = moe.x.device;
+  const int index = moe.x.device_index;
+  auto tensor = [&](void* data, DType dtype, int64_t cols) {  // [received, cols]
+    return make_tensor(data, dtype, {received, cols}, device, index);
   };
-  auto vector = [&](int64_t offset) {  // a per-row fp32 value: [W*C]
-    return make_tensor(base + offset, DType::kFloat32, {received}, device, index);
+  auto vector = [&](void* data) {  // a per-row fp32 value: [received]
+    return make_tensor(data, DType::kFloat32, {received}, device, index);
   };
-  FusedMoeParams o = l.moe;
+  FusedMoeParams o = moe;
   size_t i = 0;
-  o.x = tensor(s.received + s.received_part[i], plan.parts[i].dtype, plan.parts[i].row_elems);
+  o.x = tensor(part_data[i], plan.parts[i].dtype, plan.parts[i].row_elems);
   ++i;
-  if (l.moe.quant_mode == QuantMode::kW4A8Int4) {
-    o.x_scale = vector(s.received + s.received_part[i]);
+  if (moe.quant_mode == QuantMode::kW4A8Int4) {
+    o.x_scale = vector(part_data[i]);
     ++i;
   } else {
-    if (l.moe.x_scale) {
-      o.x_scale = tensor(s.received + s.received_part[i], plan.parts[i].dtype, plan.parts[i].row_elems);
+    if (moe.x_scale) {
+      o.x_scale = tensor(part_data[i], plan.parts[i].dtype, plan.parts[i].row_elems);
       ++i;
     }
-    if (l.moe.per_token_scale) {
-      o.per_token_scale = vector(s.received + s.received_part[i]);
+    if (moe.per_token_scale) {
+      o.per_token_scale = vector(part_data[i]);
       ++i;
     }
   }
-  o.topk_ids = tensor(s.received + s.received_part[i], DType::kInt32, plan.topk);
-  o.topk_weights = tensor(s.weights, DType::kFloat32, plan.topk);  // checked, never read
+  o.topk_ids = tensor(part_data[i], DType::kInt32, plan.topk);
+  o.topk_weights = tensor(weights, DType::kFloat32, plan.topk);
   return o;
+}
+
+// The low-latency owner call: its parts in the workspace; `base` = the workspace base (or any
+// non-null address when only sizes are wanted).
+FusedMoeParams owner_params(const LowLatencyLayer& l, const Plan& plan, const Spans& s, uint8_t* base) {
+  std::vector<uint8_t*> parts;
+  for (int64_t offset : s.received_part) parts.push_back(base + s.received + offset);
+  return owner_params_at(l.moe, plan, plan.world * plan.capacity, parts, base + s.weights);
 }
 
 TensorRef rows_tensor(const LowLatencyLayer& l, const Plan& plan, uint8_t* base, int64_t offset) {
@@ -181,28 +189,73 @@ void fill_rows(bool cuda, void* dst, int64_t pitch, int value, int64_t width, in
   for (int64_t r = 0; r < rows; ++r) std::memset(static_cast<uint8_t*>(dst) + r * pitch, value, width);
 }
 
-}  // namespace
-
-Exchange nccl_exchange(void* comm) {
-  return [comm](const std::vector<PeerTransfer>& peers, cudaStream_t stream) { nccl_all_to_all_v(comm, peers, stream); };
+// This rank's T payload rows into dst ([T, B], B = plan.row_bytes; padding bytes are left as they
+// are): the mode's per-token parts, quantized first for a w4a8_int4 bf16 x (xq: T*H bytes and a1: 4
+// bytes of scratch), a per-tensor a1 copied into every row.
+void pack_payload(const FusedMoeParams& p, const Plan& plan, uint8_t* xq, uint8_t* a1_scratch, uint8_t* dst, bool cuda,
+                  cudaStream_t stream) {
+  const int64_t T = plan.tokens, H = plan.hidden, k = plan.topk, B = plan.row_bytes;
+  auto ref = [&](void* data, DType dtype, std::initializer_list<int64_t> shape) {
+    return make_tensor(data, dtype, shape, p.x.device, p.x.device_index);
+  };
+  std::vector<Part> parts = plan.parts;
+  size_t i = 0;
+  if (p.quant_mode == QuantMode::kW4A8Int4) {
+    const void* a1 = p.x_scale ? p.x_scale->data : a1_scratch;
+    const bool a1_per_row = p.x_scale && p.x_scale->numel() == T && T != 1;
+    if (plan.dynamic_a1) fp8_dynamic_scale(p.x, ref(a1_scratch, DType::kFloat32, {1}), stream);
+    if (plan.quantize_x) {
+      const TensorRef scale = p.x_scale ? *p.x_scale : ref(a1_scratch, DType::kFloat32, {1});
+      quantize_fp8(p.x, scale, ref(xq, DType::kFloat8E4M3, {T, H}), stream);
+    }
+    parts[0].src = plan.quantize_x ? static_cast<const void*>(xq) : p.x.data;
+    parts[0].pitch = H;
+    parts[1].src = a1;
+    parts[1].pitch = a1_per_row ? 4 : 0;
+    i = 2;
+  } else {
+    parts[0].src = p.x.data;
+    parts[0].pitch = parts[0].row_bytes;
+    i = 1;
+    if (p.x_scale) {
+      parts[i].src = p.x_scale->data;
+      parts[i].pitch = parts[i].row_bytes;
+      ++i;
+    }
+    if (p.per_token_scale) {
+      parts[i].src = p.per_token_scale->data;
+      parts[i].pitch = 4;
+      ++i;
+    }
+  }
+  parts[i].src = p.topk_ids.data;
+  parts[i].pitch = 4 * k;
+  for (const Part& part : parts) {
+    if (part.pitch == 0) {  // a per-tensor a1 in every row of this rank's tokens
+      if (cuda) cuda::ep_broadcast_f32_rows(static_cast<const float*>(part.src), dst + part.offset, B, T, stream);
+      else
+        for (int64_t t = 0; t < T; ++t) std::memcpy(dst + t * B + part.offset, part.src, 4);
+    } else {
+      copy_rows(cuda, dst + part.offset, B, part.src, part.pitch, part.row_bytes, T, stream);
+    }
+  }
 }
 
-void validate_low_latency_layer(const LowLatencyLayer& l) {
-  QMOE_CHECK_ARG(l.world_size >= 1, "world_size", "at least 1 rank", std::to_string(l.world_size));
-  QMOE_CHECK_ARG(l.rank >= 0 && l.rank < l.world_size, "rank", "a rank in [0, world_size)", std::to_string(l.rank));
-  const FusedMoeParams& p = l.moe;
-  const int64_t per_rank = experts_per_rank(p.num_experts, l.world_size);  // names num_experts / world_size
+// The checks both layers share (everything but the low-latency capacity), before any exchange.
+void validate_layer(const FusedMoeParams& p, int world_size, int rank) {
+  QMOE_CHECK_ARG(world_size >= 1, "world_size", "at least 1 rank", std::to_string(world_size));
+  QMOE_CHECK_ARG(rank >= 0 && rank < world_size, "rank", "a rank in [0, world_size)", std::to_string(rank));
+  const int64_t per_rank = experts_per_rank(p.num_experts, world_size);  // names num_experts / world_size
   QMOE_CHECK_ARG(p.num_local_experts == per_rank, "num_local_experts",
                  "num_experts / world_size = " + std::to_string(per_rank) + " (this rank's experts)",
                  std::to_string(p.num_local_experts));
-  QMOE_CHECK_ARG(p.local_expert_offset == l.rank * per_rank, "local_expert_offset",
-                 "rank * num_experts / world_size = " + std::to_string(l.rank * per_rank),
+  QMOE_CHECK_ARG(p.local_expert_offset == rank * per_rank, "local_expert_offset",
+                 "rank * num_experts / world_size = " + std::to_string(rank * per_rank),
                  std::to_string(p.local_expert_offset));
   QMOE_CHECK_ARG(p.deterministic, "deterministic", "true (the layer finalizes in fixed order at home)", "false");
   QMOE_CHECK_ARG(p.quant_mode != QuantMode::kW4A8Int4 || p.fc2_input_scale.has_value(), "fc2_input_scale",
                  "a static a2 (a dynamic one would differ between the owners)", "None");
   validate_fused_moe(p);
-  check_low_latency_capacity(p.topk_ids.size(0), l.max_tokens_per_rank);
   // The owner's engine runs after the dispatch: a tactic it would refuse must fail here, before it.
   if (!p.x.is_cuda()) {
     QMOE_CHECK_ARG(p.tactic.empty(), "tactic", "empty on CPU tensors (the CPU reference has no tactics)",
@@ -210,6 +263,17 @@ void validate_low_latency_layer(const LowLatencyLayer& l) {
   } else if (!p.tactic.empty()) {
     parse_tactic(p.tactic);  // names 'tactic' when it is no compiled tactic
   }
+}
+
+}  // namespace
+
+Exchange nccl_exchange(void* comm) {
+  return [comm](const std::vector<PeerTransfer>& peers, cudaStream_t stream) { nccl_all_to_all_v(comm, peers, stream); };
+}
+
+void validate_low_latency_layer(const LowLatencyLayer& l) {
+  validate_layer(l.moe, l.world_size, l.rank);
+  check_low_latency_capacity(l.moe.topk_ids.size(0), l.max_tokens_per_rank);
 }
 
 int64_t low_latency_layer_workspace_size(const LowLatencyLayer& l) {
@@ -245,50 +309,10 @@ void low_latency_layer(const LowLatencyLayer& l, const Exchange& exchange, void*
   };
 
   // 1. Home: the payload rows [C, B] (token t at row t; rows T..C-1 are pads with ids -1).
-  std::vector<Part> parts = plan.parts;
-  size_t i = 0;
-  if (p.quant_mode == QuantMode::kW4A8Int4) {
-    const void* a1 = p.x_scale ? p.x_scale->data : base + s.a1;
-    const bool a1_per_row = p.x_scale && p.x_scale->numel() == T && T != 1;
-    if (plan.dynamic_a1) fp8_dynamic_scale(p.x, ref(s.a1, DType::kFloat32, {1}), stream);
-    if (plan.quantize_x) {
-      const TensorRef scale = p.x_scale ? *p.x_scale : ref(s.a1, DType::kFloat32, {1});
-      quantize_fp8(p.x, scale, ref(s.xq, DType::kFloat8E4M3, {T, H}), stream);
-    }
-    parts[0].src = plan.quantize_x ? static_cast<const void*>(base + s.xq) : p.x.data;
-    parts[0].pitch = H;
-    parts[1].src = a1;
-    parts[1].pitch = a1_per_row ? 4 : 0;
-    i = 2;
-  } else {
-    parts[0].src = p.x.data;
-    parts[0].pitch = parts[0].row_bytes;
-    i = 1;
-    if (p.x_scale) {
-      parts[i].src = p.x_scale->data;
-      parts[i].pitch = parts[i].row_bytes;
-      ++i;
-    }
-    if (p.per_token_scale) {
-      parts[i].src = p.per_token_scale->data;
-      parts[i].pitch = 4;
-      ++i;
-    }
-  }
-  parts[i].src = p.topk_ids.data;
-  parts[i].pitch = 4 * k;
   uint8_t* send = base + s.send;
   fill(cuda, send, 0, C * B, stream);  // alignment padding and pad rows: defined bytes on the wire
-  for (const Part& part : parts) {
-    if (part.pitch == 0) {  // a per-tensor a1 in every row of this rank's tokens
-      if (cuda) cuda::ep_broadcast_f32_rows(static_cast<const float*>(part.src), send + part.offset, B, T, stream);
-      else
-        for (int64_t t = 0; t < T; ++t) std::memcpy(send + t * B + part.offset, part.src, 4);
-    } else {
-      copy_rows(cuda, send + part.offset, B, part.src, part.pitch, part.row_bytes, T, stream);
-    }
-  }
-  fill_rows(cuda, send + T * B + parts.back().offset, B, 0xFF, 4 * k, C - T, stream);  // pad ids = -1
+  pack_payload(p, plan, base + s.xq, base + s.a1, send, cuda, stream);
+  fill_rows(cuda, send + T * B + plan.parts.back().offset, B, 0xFF, 4 * k, C - T, stream);  // pad ids = -1
 
   // 2. Dispatch: the same C rows to every peer; C rows from each.
   uint8_t* recv = base + s.recv;
@@ -297,9 +321,9 @@ void low_latency_layer(const LowLatencyLayer& l, const Exchange& exchange, void*
   exchange(peers, stream);
 
   // 3. Owner: the received rows as the engine's tensors, then one bf16 row per owned slot.
-  for (size_t j = 0; j < parts.size(); ++j)
-    copy_rows(cuda, base + s.received + s.received_part[j], parts[j].row_bytes, recv + parts[j].offset, B,
-              parts[j].row_bytes, W * C, stream);
+  for (size_t j = 0; j < plan.parts.size(); ++j)
+    copy_rows(cuda, base + s.received + s.received_part[j], plan.parts[j].row_bytes, recv + plan.parts[j].offset, B,
+              plan.parts[j].row_bytes, W * C, stream);
   const FusedMoeParams owner = owner_params(l, plan, s, base);
   const TensorRef rows = rows_tensor(l, plan, base, s.rows);
   if (cuda) moe_expert_rows(owner, rows, base + s.engine, s.total - s.engine, stream);
