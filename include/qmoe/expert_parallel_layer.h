@@ -1,5 +1,6 @@
-// One expert-parallel MoE layer in the low-latency mode, from C++ (docs/expert-parallel.md): the
-// caller's communicator (through an Exchange) and stream; every rank calls it with its own tokens.
+// One expert-parallel MoE layer from C++ (docs/expert-parallel.md), in the low-latency mode (below) or
+// the throughput mode (at the end): the caller's communicator (through an Exchange) and stream; every
+// rank calls it with its own tokens.
 //
 // W ranks, E experts, rank r owns experts [r*E/W, (r+1)*E/W) and holds only their weights. Each
 // rank has T <= C tokens (C = max_tokens_per_rank, the same on every rank) and gets the MoE output of
@@ -58,5 +59,19 @@ int64_t low_latency_layer_workspace_size(const LowLatencyLayer& layer);
 // Validates, then runs the five steps; every rank must call it (the exchanges pair up).
 void low_latency_layer(const LowLatencyLayer& layer, const Exchange& exchange, void* workspace = nullptr,
                        int64_t workspace_bytes = 0, cudaStream_t stream = nullptr);
+
+// ---- The throughput mode (prefill sizes) -----------------------------------------------------------
+// Only the tokens a peer owns a slot of travel to it, and only the owned slots' rows come back: the
+// plan of include/qmoe/expert_parallel.h, computed on the host. The host waits three times (for the
+// routing, for the exchanged counts, for the received routing), so this mode is not graph-capturable;
+// its buffers are sized by the counts and allocated per call (stream-ordered cudaMallocAsync / free).
+// Same result as the low-latency layer and as fused_moe(deterministic = true), bit for bit.
+struct ThroughputLayer {
+  FusedMoeParams moe;  // as LowLatencyLayer::moe
+  int world_size = 1;
+  int rank = 0;
+};
+void validate_throughput_layer(const ThroughputLayer& layer);
+void throughput_layer(const ThroughputLayer& layer, const Exchange& exchange, cudaStream_t stream = nullptr);
 
 }  // namespace qmoe::ep

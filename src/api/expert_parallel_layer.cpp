@@ -1,11 +1,13 @@
-// The low-latency expert-parallel layer from C++ (include/qmoe/expert_parallel_layer.h): payload rows
-// at home, one fixed-size dispatch, moe_expert_rows on the owner, one fixed-size combine, moe_finalize
-// at home through a row index. Data movement is copies (2D memcpy / memset on CUDA, memcpy on the CPU)
-// plus two tiny kernels (src/cuda/ep/ep_low_latency.cu): the row index and the broadcast of a
-// per-tensor a1 into the payload rows.
+// The expert-parallel layers from C++ (include/qmoe/expert_parallel_layer.h): payload rows at home, a
+// dispatch, moe_expert_rows on the owner, a combine, moe_finalize at home through a row index. Low
+// latency: fixed-size exchanges, no host sync. Throughput: the host plan (expert_parallel.h), counts
+// first, then variable-size exchanges of only what a peer needs. Data movement is copies (2D memcpy / memset on CUDA, memcpy on the CPU)
+// plus three tiny kernels (src/cuda/ep/ep_layer_kernels.cu): the low-latency row index, the broadcast
+// of a per-tensor a1 into the payload rows, and the throughput mode's row gather.
 #include "qmoe/expert_parallel_layer.h"
 
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -45,14 +47,13 @@ Part part_of(const TensorRef& t, int64_t tokens) {
   return Part{t.dtype, elems, elems * dtype_size(t.dtype)};
 }
 
-Plan make_plan(const LowLatencyLayer& l) {
-  const FusedMoeParams& p = l.moe;
+Plan make_plan(const FusedMoeParams& p, int world_size, int64_t capacity) {
   Plan plan;
   plan.tokens = p.topk_ids.size(0);
   plan.topk = p.topk_ids.size(1);
   plan.hidden = p.w2.size(1);
-  plan.capacity = l.max_tokens_per_rank;
-  plan.world = l.world_size;
+  plan.capacity = capacity;
+  plan.world = world_size;
   if (p.quant_mode == QuantMode::kW4A8Int4) {
     plan.quantize_x = p.x.dtype == DType::kBFloat16;
     plan.dynamic_a1 = !p.x_scale.has_value();
@@ -189,6 +190,66 @@ void fill_rows(bool cuda, void* dst, int64_t pitch, int value, int64_t width, in
   for (int64_t r = 0; r < rows; ++r) std::memset(static_cast<uint8_t*>(dst) + r * pitch, value, width);
 }
 
+// dst row i = src row index[i] (count rows of `width` bytes; index on the tensors' side).
+void gather_rows(bool cuda, uint8_t* dst, int64_t dst_pitch, const uint8_t* src, int64_t src_pitch,
+                 const int32_t* index, int64_t count, int64_t width, cudaStream_t stream) {
+  if (count <= 0 || width <= 0) return;
+  if (cuda) {
+    cuda::ep_gather_rows(dst, dst_pitch, src, src_pitch, index, count, width, stream);
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i) std::memcpy(dst + i * dst_pitch, src + index[i] * src_pitch, width);
+}
+
+// A scratch buffer on the layer's device (stream-ordered cudaMallocAsync, freed the same way) or on
+// the host. The throughput layer sizes its buffers from the exchanged counts, so it allocates.
+class Buffer {
+ public:
+  Buffer(bool cuda, int64_t bytes, cudaStream_t stream) : cuda_(cuda), stream_(stream) {
+    if (bytes <= 0) return;
+    if (cuda) {
+      cuda::check_cuda(cudaMallocAsync(&ptr_, static_cast<size_t>(bytes), stream), "cudaMallocAsync (expert parallelism)");
+    } else {
+      host_.resize(static_cast<size_t>(bytes));
+      ptr_ = host_.data();
+    }
+  }
+  ~Buffer() {
+    if (cuda_ && ptr_ != nullptr) cudaFreeAsync(ptr_, stream_);
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  uint8_t* data() const { return static_cast<uint8_t*>(ptr_); }
+
+ private:
+  bool cuda_;
+  cudaStream_t stream_;
+  void* ptr_ = nullptr;
+  std::vector<uint8_t> host_;
+};
+
+// Host <-> layer-side copies of small arrays; to_host waits for the stream (a host sync).
+void to_device(bool cuda, void* dst, const void* src, int64_t bytes, cudaStream_t stream) {
+  if (bytes <= 0) return;
+  if (cuda) cuda::check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+  else std::memcpy(dst, src, bytes);
+}
+void to_host(bool cuda, void* dst, const void* src, int64_t bytes, cudaStream_t stream) {
+  if (bytes <= 0) return;
+  if (cuda) {
+    cuda::check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+    cuda::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (expert parallelism)");
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+}
+
+std::vector<int64_t> prefix(const std::vector<int64_t>& counts) {  // exclusive, one more entry: the total
+  std::vector<int64_t> out(counts.size() + 1, 0);
+  for (size_t i = 0; i < counts.size(); ++i) out[i + 1] = out[i] + counts[i];
+  return out;
+}
+
 // This rank's T payload rows into dst ([T, B], B = plan.row_bytes; padding bytes are left as they
 // are): the mode's per-token parts, quantized first for a w4a8_int4 bf16 x (xq: T*H bytes and a1: 4
 // bytes of scratch), a per-tensor a1 copied into every row.
@@ -279,7 +340,7 @@ void validate_low_latency_layer(const LowLatencyLayer& l) {
 int64_t low_latency_layer_workspace_size(const LowLatencyLayer& l) {
   validate_low_latency_layer(l);
   if (!l.moe.x.is_cuda()) return 0;
-  const Plan plan = make_plan(l);
+  const Plan plan = make_plan(l.moe, l.world_size, l.max_tokens_per_rank);
   return make_spans(l, plan).total;
 }
 
@@ -289,7 +350,7 @@ void low_latency_layer(const LowLatencyLayer& l, const Exchange& exchange, void*
   QMOE_CHECK_ARG(static_cast<bool>(exchange), "exchange", "a callable all-to-all", "an empty std::function");
   const FusedMoeParams& p = l.moe;
   const bool cuda = p.x.is_cuda();
-  const Plan plan = make_plan(l);
+  const Plan plan = make_plan(l.moe, l.world_size, l.max_tokens_per_rank);
   const Spans s = make_spans(l, plan);
   std::vector<uint8_t> host;
   uint8_t* base = nullptr;
@@ -356,6 +417,127 @@ void low_latency_layer(const LowLatencyLayer& l, const Exchange& exchange, void*
   f.topk_weights = p.topk_weights;
   f.output = p.output;
   f.row_index = row_index;
+  f.num_experts = p.num_experts;
+  f.routed_scaling_factor = p.routed_scaling_factor;
+  moe_finalize(f, stream);
+}
+
+void validate_throughput_layer(const ThroughputLayer& l) { validate_layer(l.moe, l.world_size, l.rank); }
+
+void throughput_layer(const ThroughputLayer& l, const Exchange& exchange, cudaStream_t stream) {
+  validate_throughput_layer(l);
+  QMOE_CHECK_ARG(static_cast<bool>(exchange), "exchange", "a callable all-to-all", "an empty std::function");
+  const FusedMoeParams& p = l.moe;
+  const bool cuda = p.x.is_cuda();
+  int previous_device = 0;
+  if (cuda) {  // the stream-ordered allocations below land on the current device
+    cuda::check_cuda(cudaGetDevice(&previous_device), "cudaGetDevice");
+    cuda::check_cuda(cudaSetDevice(p.x.device_index), "cudaSetDevice");
+  }
+  struct Restore {
+    bool on;
+    int device;
+    ~Restore() {
+      if (on) cudaSetDevice(device);
+    }
+  } restore{cuda, previous_device};
+  const Plan plan = make_plan(p, l.world_size, 0);
+  const int64_t T = plan.tokens, k = plan.topk, H = plan.hidden, B = plan.row_bytes, W = plan.world;
+  const size_t w = static_cast<size_t>(W);
+
+  // 1. The routing on the host (sync 1), its plan, and the counts every peer needs (sync 2).
+  std::vector<int32_t> ids(static_cast<size_t>(T * k));
+  to_host(cuda, ids.data(), p.topk_ids.data, T * k * 4, stream);
+  const DispatchPlan dp = plan_dispatch(make_tensor(ids.data(), DType::kInt32, {T, k}), p.num_experts, W);
+  std::vector<int64_t> mine(2 * w), theirs(2 * w);
+  for (size_t d = 0; d < w; ++d) mine[2 * d] = dp.send_counts[d], mine[2 * d + 1] = dp.return_counts[d];
+  {
+    Buffer send(cuda, 16 * W, stream), recv(cuda, 16 * W, stream);
+    to_device(cuda, send.data(), mine.data(), 16 * W, stream);
+    std::vector<PeerTransfer> peers(w);
+    for (size_t d = 0; d < w; ++d) peers[d] = PeerTransfer{send.data() + 16 * d, 16, recv.data() + 16 * d, 16};
+    exchange(peers, stream);
+    to_host(cuda, theirs.data(), recv.data(), 16 * W, stream);
+  }
+  std::vector<int64_t> recv_tokens(w), recv_slots(w);
+  for (size_t s = 0; s < w; ++s) recv_tokens[s] = theirs[2 * s], recv_slots[s] = theirs[2 * s + 1];
+  const std::vector<int64_t> send_at = prefix(dp.send_counts), recv_at = prefix(recv_tokens);
+  const std::vector<int64_t> give_at = prefix(recv_slots), back_at = prefix(dp.return_counts);
+  const int64_t N = recv_at[w];  // tokens this rank computes for its peers (and itself)
+
+  // 2. Dispatch: this rank's payload rows, grouped by destination in the plan's order.
+  Buffer xq(cuda, plan.quantize_x ? T * H : 0, stream), a1(cuda, plan.dynamic_a1 ? 4 : 0, stream);
+  Buffer staged(cuda, T * B, stream), send(cuda, send_at[w] * B, stream), recv(cuda, N * B, stream);
+  fill(cuda, staged.data(), 0, T * B, stream);
+  pack_payload(p, plan, xq.data(), a1.data(), staged.data(), cuda, stream);
+  {
+    std::vector<int32_t> order(dp.send_tokens.begin(), dp.send_tokens.end());
+    Buffer index(cuda, send_at[w] * 4, stream);
+    to_device(cuda, index.data(), order.data(), send_at[w] * 4, stream);
+    gather_rows(cuda, send.data(), B, staged.data(), B, reinterpret_cast<const int32_t*>(index.data()), send_at[w], B,
+                stream);
+    std::vector<PeerTransfer> peers(w);
+    for (size_t d = 0; d < w; ++d)
+      peers[d] = PeerTransfer{send.data() + send_at[d] * B, dp.send_counts[d] * B, recv.data() + recv_at[d] * B,
+                              recv_tokens[d] * B};
+    exchange(peers, stream);
+  }
+
+  // 3. Owner: the received rows as the engine's tensors; one bf16 row per owned slot.
+  std::vector<std::unique_ptr<Buffer>> parts;
+  std::vector<uint8_t*> part_data;
+  for (const Part& part : plan.parts) {
+    parts.push_back(std::make_unique<Buffer>(cuda, N * part.row_bytes, stream));
+    part_data.push_back(parts.back()->data());
+    copy_rows(cuda, part_data.back(), part.row_bytes, recv.data() + part.offset, B, part.row_bytes, N, stream);
+  }
+  Buffer weights(cuda, N * k * 4, stream), rows(cuda, N * k * H * 2, stream);
+  if (N > 0) {
+    const FusedMoeParams owner = owner_params_at(p, plan, N, part_data, weights.data());
+    const TensorRef rows_ref = make_tensor(rows.data(), DType::kBFloat16, {N * k, H}, p.x.device, p.x.device_index);
+    if (cuda) {
+      const int64_t bytes = moe_expert_rows_workspace_size(owner, rows_ref);
+      Buffer engine(cuda, bytes, stream);
+      moe_expert_rows(owner, rows_ref, engine.data(), bytes, stream);
+    } else {
+      moe_expert_rows(owner, rows_ref);
+    }
+  }
+
+  // 4. Combine: the owned slots' rows back to their homes, grouped by home in receive order (sync 3:
+  //    the received routing picks them).
+  Buffer back(cuda, back_at[w] * H * 2, stream);
+  {
+    std::vector<int32_t> received_ids(static_cast<size_t>(N * k));
+    to_host(cuda, received_ids.data(), part_data.back(), N * k * 4, stream);
+    const std::vector<int64_t> owned = owner_return_slots(
+        make_tensor(received_ids.data(), DType::kInt32, {N, k}), p.num_experts, W, l.rank);
+    QMOE_CHECK_ARG(static_cast<int64_t>(owned.size()) == give_at[w], "exchange",
+                   "an all-to-all that delivers what the peers sent (" + std::to_string(give_at[w]) + " owned slots)",
+                   std::to_string(owned.size()) + " owned slots in the received routing");
+    std::vector<int32_t> order(owned.begin(), owned.end());
+    Buffer index(cuda, give_at[w] * 4, stream), give(cuda, give_at[w] * H * 2, stream);
+    to_device(cuda, index.data(), order.data(), give_at[w] * 4, stream);
+    gather_rows(cuda, give.data(), H * 2, rows.data(), H * 2, reinterpret_cast<const int32_t*>(index.data()),
+                give_at[w], H * 2, stream);
+    std::vector<PeerTransfer> peers(w);
+    for (size_t s = 0; s < w; ++s)
+      peers[s] = PeerTransfer{give.data() + give_at[s] * H * 2, recv_slots[s] * H * 2, back.data() + back_at[s] * H * 2,
+                              dp.return_counts[s] * H * 2};
+    exchange(peers, stream);
+  }
+
+  // 5. Home: the row of slot return_slots[i] is back[i].
+  std::vector<int32_t> index(static_cast<size_t>(T * k), -1);
+  for (int64_t i = 0; i < back_at[w]; ++i) index[static_cast<size_t>(dp.return_slots[i])] = static_cast<int32_t>(i);
+  Buffer row_index(cuda, T * k * 4, stream);
+  to_device(cuda, row_index.data(), index.data(), T * k * 4, stream);
+  MoeFinalizeParams f;
+  f.rows = make_tensor(back.data(), DType::kBFloat16, {back_at[w], H}, p.x.device, p.x.device_index);
+  f.topk_ids = p.topk_ids;
+  f.topk_weights = p.topk_weights;
+  f.output = p.output;
+  f.row_index = make_tensor(row_index.data(), DType::kInt32, {T * k}, p.x.device, p.x.device_index);
   f.num_experts = p.num_experts;
   f.routed_scaling_factor = p.routed_scaling_factor;
   moe_finalize(f, stream);

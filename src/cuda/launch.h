@@ -36,12 +36,15 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
 // moe_finalize on CUDA tensors (src/cuda/fused/moe_finalize.cu): p validated.
 void moe_finalize(const MoeFinalizeParams& p, cudaStream_t stream);
 
-// The low-latency expert-parallel layer's kernels (src/cuda/ep/ep_low_latency.cu):
+// The expert-parallel layers' kernels (src/cuda/ep/ep_layer_kernels.cu):
 // index[t*k + j] = (id / (E / W)) * C * k + t*k + j, or -1 for an id outside [0, E);
 void ep_low_latency_row_index(const TensorRef& topk_ids, int64_t num_experts, int world_size, int64_t capacity,
                               TensorRef index, cudaStream_t stream);
 // *value (device float) into the first 4 bytes of `count` rows `pitch` bytes apart.
 void ep_broadcast_f32_rows(const float* value, void* rows, int64_t pitch, int64_t count, cudaStream_t stream);
+// dst row i (dst_pitch bytes apart) = src row index[i] (src_pitch apart), `width` bytes, count rows.
+void ep_gather_rows(void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch, const int32_t* index,
+                    int64_t count, int64_t width, cudaStream_t stream);
 
 // Throws kRuntime qmoe::Error with the CUDA error string when err != cudaSuccess.
 void check_cuda(cudaError_t err, const char* what);

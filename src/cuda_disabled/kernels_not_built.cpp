@@ -28,6 +28,9 @@ void ep_low_latency_row_index(const TensorRef&, int64_t, int, int64_t, TensorRef
   not_built("low_latency_layer");
 }
 void ep_broadcast_f32_rows(const float*, void*, int64_t, int64_t, cudaStream_t) { not_built("low_latency_layer"); }
+void ep_gather_rows(void*, int64_t, const void*, int64_t, const int32_t*, int64_t, int64_t, cudaStream_t) {
+  not_built("throughput_layer");
+}
 void check_cuda(cudaError_t err, const char* what) {}
 
 }  // namespace qmoe::cuda

@@ -283,6 +283,15 @@ void bind_ops(nb::module_& m) {
       },
       nb::arg("call"), nb::arg("world_size"), nb::arg("rank"), nb::arg("max_tokens_per_rank"), nb::arg("comm"),
       nb::arg("workspace").none(), nb::arg("stream"));
+  // The C++ throughput layer (host plan, counts first; it allocates and waits on the host).
+  m.def(
+      "ep_throughput_layer",
+      [](const LayerCall& c, int world_size, int rank, uintptr_t comm, uintptr_t stream) {
+        const ep::ThroughputLayer layer{c.params, world_size, rank};
+        nb::gil_scoped_release release;
+        ep::throughput_layer(layer, ep::nccl_exchange(reinterpret_cast<void*>(comm)), as_stream(stream));
+      },
+      nb::arg("call"), nb::arg("world_size"), nb::arg("rank"), nb::arg("comm"), nb::arg("stream"));
 #undef FUSED_MOE_ARGS
 
   m.def(

@@ -45,6 +45,9 @@ struct Slot {
   bool output;
   std::vector<DType> accepted;
   bool shape_free = false;
+  // A size this argument may also legally have (w4a8_int4's a1: [1] or [T]): growing into it is not a
+  // bad call (the memory behind it is the caller's promise), so the generator skips that case.
+  int64_t also_legal_numel = -1;
 };
 
 // One valid call with all its memory. Built fresh for every mutation.
@@ -281,6 +284,7 @@ struct FusedCall {
     if (cs.c.mode == qmoe::QuantMode::kW4A4) xs = {DType::kFloat8E4M3, DType::kUInt8};
     if (cs.c.mode == qmoe::QuantMode::kW4A8Mx) xs = {DType::kUE8M0, DType::kUInt8};
     opt(p.x_scale, "x_scale", xs);
+    if (cs.c.mode == qmoe::QuantMode::kW4A8Int4 && p.x_scale) t.slots.back().also_legal_numel = p.topk_ids.size(0);
     opt(p.w1_alpha, "w1_alpha", {DType::kFloat32});
     opt(p.w2_alpha, "w2_alpha", {DType::kFloat32});
     opt(p.fc2_input_scale, "fc2_input_scale", {DType::kFloat32});
@@ -341,8 +345,9 @@ struct ExpertRowsCall {
   }
 };
 
-// ---- the low-latency EP layer (expert_parallel_layer.h) on one rank: the fused call's tensors with
-// all experts local, deterministic, an in-memory exchange (a rank sending to itself), capacity T + 1.
+// ---- the EP layers (expert_parallel_layer.h) on one rank: the fused call's tensors with all experts
+// local, deterministic, an in-memory exchange (a rank sending to itself); seeds with bit 0 set run the
+// throughput layer, the others the low-latency one with capacity T + 1.
 struct EpLayerCall {
   fused_moe_test::Case cs;
   qmoe::ep::LowLatencyLayer layer;
@@ -355,7 +360,8 @@ struct EpLayerCall {
     c.a2_dynamic = false;
     return c;
   }
-  explicit EpLayerCall(uint64_t seed) : cs(fused_moe_test::make_case(config(seed), seed)) {
+  bool throughput = false;
+  explicit EpLayerCall(uint64_t seed) : cs(fused_moe_test::make_case(config(seed), seed)), throughput((seed & 1) != 0) {
     cs.poison();
     layer.moe = cs.params();
     layer.world_size = 1;
@@ -365,7 +371,8 @@ struct EpLayerCall {
   Target target() {
     FusedCall shape(0);  // borrows FusedCall's slot table and scalar mutations, applied to layer.moe
     Target t;
-    t.label = std::string("ep_low_latency_layer[") + qmoe::quant_mode_name(cs.c.mode) + "]";
+    t.label = std::string(throughput ? "ep_throughput_layer[" : "ep_low_latency_layer[") +
+              qmoe::quant_mode_name(cs.c.mode) + "]";
     qmoe::FusedMoeParams& p = layer.moe;
     const bool int4 = fused_moe_test::fmt_of(cs.c.mode) == fused_moe_test::Fmt::kInt4;
     const std::vector<DType> w = int4 ? std::vector<DType>{DType::kInt4x2, DType::kInt8, DType::kUInt8}
@@ -392,19 +399,22 @@ struct EpLayerCall {
     if (cs.c.mode == qmoe::QuantMode::kW4A4) xs = {DType::kFloat8E4M3, DType::kUInt8};
     if (cs.c.mode == qmoe::QuantMode::kW4A8Mx) xs = {DType::kUE8M0, DType::kUInt8};
     opt(p.x_scale, "x_scale", xs);
+    if (cs.c.mode == qmoe::QuantMode::kW4A8Int4 && p.x_scale) t.slots.back().also_legal_numel = p.topk_ids.size(0);
     opt(p.w1_alpha, "w1_alpha", {DType::kFloat32});
     opt(p.w2_alpha, "w2_alpha", {DType::kFloat32});
     opt(p.fc2_input_scale, "fc2_input_scale", {DType::kFloat32});
     opt(p.per_token_scale, "per_token_scale", {DType::kFloat32});
     t.scalars = {"quant_mode", "activation", "gate_up_layout", "num_experts", "num_local_experts",
                  "local_expert_offset", "routed_scaling_factor", "swiglu_alpha", "swiglu_limit", "situ_beta",
-                 "tactic", "world_size", "rank", "max_tokens_per_rank", "deterministic"};
+                 "tactic", "world_size", "rank", "deterministic"};
+    if (!throughput) t.scalars.push_back("max_tokens_per_rank");
     t.run = [this] {
       qmoe::ep::Exchange self = [](const std::vector<qmoe::ep::PeerTransfer>& peers, cudaStream_t) {
         for (const auto& x : peers)
           if (x.send_bytes > 0) std::memcpy(x.recv, x.send, static_cast<size_t>(x.send_bytes));
       };
-      qmoe::ep::low_latency_layer(layer, self);
+      if (throughput) qmoe::ep::throughput_layer(qmoe::ep::ThroughputLayer{layer.moe, layer.world_size, layer.rank}, self);
+      else qmoe::ep::low_latency_layer(layer, self);
     };
     auto add = [&](const auto& v) {
       if (!v.empty()) t.memory.emplace_back(v.data(), v.size() * sizeof(v[0]));

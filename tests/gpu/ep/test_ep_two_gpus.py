@@ -221,8 +221,9 @@ def check_equal(env, name, transport, quant_mode, mode, ids, wts, bounds, tactic
 
 
 def check_cpp_layer(env, transport, quant_mode, ids, wts, bounds, tactic, capacity):
-    """The C++ low-latency layer (include/qmoe/expert_parallel_layer.h, _C.ep_low_latency_layer) on the
-    transport's NCCL communicator == single GPU on each rank's tokens, bitwise (pinned tactic)."""
+    """A C++ layer (include/qmoe/expert_parallel_layer.h): low latency with capacity C, or throughput with
+    capacity None, on the transport's NCCL communicator == single GPU on each rank's tokens, bitwise
+    (pinned tactic)."""
     from qmoe import _C, ops
     from qmoe._tensors import current_stream
 
@@ -240,13 +241,18 @@ def check_cpp_layer(env, transport, quant_mode, ids, wts, bounds, tactic, capaci
                            w["w2_alpha"], mine.get("per_token_scale"), (out, "output"), E, per, env.rank * per,
                            case["activation"], 1.0, 0.0, float("inf"), 1.0, None, case["gate_up_layout"], True, 1.0,
                            tactic)
-    nbytes = _C.ep_low_latency_layer_workspace_size(call, env.world, env.rank, capacity)
-    workspace = torch.empty(nbytes, dtype=torch.uint8, device=env.device)
-    _C.ep_low_latency_layer(call, env.world, env.rank, capacity, transport.comm, ops.arg(workspace, "workspace"),
-                            current_stream(out))
+    if capacity is None:  # the throughput layer
+        _C.ep_throughput_layer(call, env.world, env.rank, transport.comm, current_stream(out))
+        what = f"C++ throughput layer ({quant_mode})"
+    else:
+        nbytes = _C.ep_low_latency_layer_workspace_size(call, env.world, env.rank, capacity)
+        workspace = torch.empty(nbytes, dtype=torch.uint8, device=env.device)
+        _C.ep_low_latency_layer(call, env.world, env.rank, capacity, transport.comm, ops.arg(workspace, "workspace"),
+                                current_stream(out))
+        what = f"C++ low-latency layer ({quant_mode}, {nbytes} B workspace)"
     want = single_gpu(env, mine, tactic)
     sync(env)
-    return compare(env, out, want, f"C++ layer ({quant_mode}, {nbytes} B workspace) vs single GPU")
+    return compare(env, out, want, f"{what} vs single GPU")
 
 
 def check_equal_chunks_empty(env, transport, ids, wts):
@@ -470,11 +476,14 @@ def run_checks(env, transport, only):
             ids, wts = routing(61, K, E, seed=900)
             name = f"cpp_layer/{quant_mode}"
 
-            def cpp_check(quant_mode=quant_mode, tactic=tactic, ids=ids, wts=wts, name=name):
-                ok, detail = check_cpp_layer(env, transport, quant_mode, ids, wts, [0, 33, 61], tactic, 33)
-                env.report(name, ok, detail)
+            for capacity in (33, None):  # low latency, throughput
+                label = f"{name}/{'low_latency' if capacity else 'throughput'}"
 
-            guarded(name, cpp_check)
+                def cpp_check(quant_mode=quant_mode, tactic=tactic, ids=ids, wts=wts, label=label, capacity=capacity):
+                    ok, detail = check_cpp_layer(env, transport, quant_mode, ids, wts, [0, 33, 61], tactic, capacity)
+                    env.report(label, ok, detail)
+
+                guarded(label, cpp_check)
     for quant_mode in ("w4a16_int4", "w4a4", "w4a8", "w4a16"):
         for mode in ("throughput", "low_latency"):
             ids, wts = routing(41, K, E, seed=700)

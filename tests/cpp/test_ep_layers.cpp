@@ -1,4 +1,5 @@
-// The low-latency expert-parallel layer from C++ (include/qmoe/expert_parallel_layer.h) on CPU tensors:
+// The expert-parallel layers from C++ (include/qmoe/expert_parallel_layer.h), low-latency and throughput
+// modes, on CPU tensors:
 // W ranks as W threads joined by an in-process Exchange (the NCCL one runs in the 2-GPU script). Each
 // rank holds E/W experts and its own tokens; its output must equal fused_moe(deterministic = true) over
 // all experts on its tokens, bit for bit: every quant mode, a1 static / per token / dynamic, ranks with
@@ -9,6 +10,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -19,6 +21,7 @@ namespace {
 
 using namespace fused_moe_test;
 using qmoe::ep::LowLatencyLayer;
+using qmoe::ep::ThroughputLayer;
 using qmoe::ep::PeerTransfer;
 
 // W threads exchanging through host memory: each posts its transfers, then copies what every peer
@@ -28,13 +31,13 @@ class LoopbackGroup {
   explicit LoopbackGroup(int world) : world_(world), posted_(static_cast<size_t>(world)) {}
   qmoe::ep::Exchange exchange(int rank) {
     return [this, rank](const std::vector<PeerTransfer>& peers, cudaStream_t) {
-      ASSERT_EQ(static_cast<int>(peers.size()), world_);
+      if (static_cast<int>(peers.size()) != world_) throw std::runtime_error("peers.size() != world size");
       posted_[static_cast<size_t>(rank)] = &peers;
       barrier();
       for (int p = 0; p < world_; ++p) {
         const PeerTransfer& from = (*posted_[static_cast<size_t>(p)])[static_cast<size_t>(rank)];
         const PeerTransfer& to = peers[static_cast<size_t>(p)];
-        ASSERT_EQ(from.send_bytes, to.recv_bytes) << "rank " << p << " -> " << rank;
+        if (from.send_bytes != to.recv_bytes) throw std::runtime_error("send and receive sizes differ");
         if (from.send_bytes > 0) std::memcpy(to.recv, from.send, static_cast<size_t>(from.send_bytes));
       }
       barrier();
@@ -42,6 +45,12 @@ class LoopbackGroup {
     };
   }
   int calls(int rank) const { return calls_[rank]; }
+  // A rank that failed: the others leave their barrier with an error instead of waiting forever.
+  void abort() {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = true;
+    cv_.notify_all();
+  }
 
  private:
   void barrier() {
@@ -52,9 +61,11 @@ class LoopbackGroup {
       ++generation_;
       cv_.notify_all();
     } else {
-      cv_.wait(lock, [&] { return generation_ != gen; });
+      cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
     }
+    if (aborted_) throw std::runtime_error("a peer rank failed");
   }
+  bool aborted_ = false;
   int world_;
   std::vector<const std::vector<PeerTransfer>*> posted_;
   std::mutex mu_;
@@ -75,7 +86,8 @@ RankView rank_view(Case& cs, int world, int rank, int64_t first, int64_t count, 
   const int64_t E = cs.c.E, per = E / world, k = cs.c.k, H = cs.c.H;
   auto rows_of = [&](const TensorRef& t) {  // tokens [first, first + count) of a [T, ...] tensor
     TensorRef r = t;
-    const int64_t row = t.numel() / t.size(0) * qmoe::dtype_size(t.dtype);
+    int64_t row = qmoe::dtype_size(t.dtype);
+    for (int d = 1; d < t.ndim; ++d) row *= t.shape[d];
     r.data = static_cast<uint8_t*>(t.data) + first * row;
     r.shape[0] = count;
     return r;
@@ -121,8 +133,9 @@ struct EpSetup {
   int64_t capacity = 8;
 };
 
-// Runs the EP layer on `world` threads and compares each rank with fused_moe on its own tokens.
-void check_ep_equals_single(const EpSetup& s, uint64_t seed, bool foreign_ids = true) {
+// Runs the EP layer (low latency, or throughput) on `world` threads and compares each rank with
+// fused_moe on its own tokens.
+void check_ep_equals_single(const EpSetup& s, uint64_t seed, bool foreign_ids = true, bool throughput = false) {
   Config cfg = s.cfg;
   int64_t total = 0;
   for (int64_t t : s.tokens) total += t;
@@ -145,17 +158,21 @@ void check_ep_equals_single(const EpSetup& s, uint64_t seed, bool foreign_ids = 
   for (int r = 0; r < s.world; ++r) {
     threads.emplace_back([&, r] {
       try {
-        LowLatencyLayer layer{ep[r].p, s.world, r, s.capacity};
-        qmoe::ep::low_latency_layer(layer, group.exchange(r));
+        if (throughput) {
+          qmoe::ep::throughput_layer(ThroughputLayer{ep[r].p, s.world, r}, group.exchange(r));
+        } else {
+          qmoe::ep::low_latency_layer(LowLatencyLayer{ep[r].p, s.world, r, s.capacity}, group.exchange(r));
+        }
       } catch (const std::exception& e) {
         errors[r] = e.what();
+        group.abort();
       }
     });
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < s.world; ++r) {
     ASSERT_EQ(errors[r], "") << "rank " << r;
-    EXPECT_EQ(group.calls(r), 2) << "rank " << r << ": one dispatch and one combine";
+    EXPECT_EQ(group.calls(r), throughput ? 3 : 2) << "rank " << r << ": (counts,) dispatch, combine";
     qmoe::fused_moe(single[r].p);
     EXPECT_TRUE(ep[r].out == single[r].out) << "rank " << r << " of " << s.world << ": EP output != fused_moe on its tokens";
   }
@@ -240,6 +257,75 @@ TEST(EpLowLatencyLayer, AllSlotsOnOtherRanks) {
   qmoe::fused_moe(s1.p);
   EXPECT_EQ(0, std::memcmp(ep0.out.data(), s0.out.data(), s0.out.size()));
   EXPECT_EQ(0, std::memcmp(ep1.out.data(), s1.out.data(), s1.out.size()));
+}
+
+TEST(EpThroughputLayer, EqualsSingleGpuEveryModeAndTopK) {
+  const QuantMode modes[] = {QuantMode::kW4A8Int4, QuantMode::kW4A16Int4, QuantMode::kW4A16, QuantMode::kW4A4,
+                             QuantMode::kW4A8Mx};
+  uint64_t seed = 300;
+  for (QuantMode mode : modes) {
+    for (int64_t k : {1, 3}) {
+      EpSetup s;
+      s.cfg.mode = mode;
+      s.cfg.E = 8;
+      s.cfg.k = k;
+      s.cfg.out = DType::kBFloat16;
+      s.tokens = {5, 7};
+      SCOPED_TRACE(std::string(qmoe::quant_mode_name(mode)) + " k " + std::to_string(k));
+      check_ep_equals_single(s, seed++, true, true);
+    }
+  }
+}
+
+TEST(EpThroughputLayer, A1VariantsFourRanksAndEmptyRanks) {
+  for (int a1 = 0; a1 < 3; ++a1) {
+    EpSetup s;
+    s.cfg.a1 = a1;
+    s.cfg.E = 8;
+    s.cfg.k = 4;
+    s.cfg.rsf = 2.5f;
+    s.tokens = {6, 3};
+    SCOPED_TRACE("a1 " + std::to_string(a1));
+    check_ep_equals_single(s, 340 + a1, true, true);
+  }
+  EpSetup s;
+  s.world = 4;
+  s.cfg.E = 8;
+  s.cfg.k = 3;
+  s.tokens = {9, 0, 1, 4};  // no capacity in this mode: any T per rank
+  check_ep_equals_single(s, 350, true, true);
+  s.tokens = {0, 0, 0, 0};  // nothing anywhere: three empty exchanges, empty outputs
+  check_ep_equals_single(s, 351, true, true);
+}
+
+TEST(EpThroughputLayer, ArgumentErrorsBeforeAnyExchange) {
+  Config cfg;
+  cfg.E = 8;
+  cfg.T = 5;
+  cfg.deterministic = true;
+  Case cs = make_case(cfg, 6);
+  RankView v = rank_view(cs, 2, 0, 0, 5, true);
+  int calls = 0;
+  qmoe::ep::Exchange counting = [&](const std::vector<PeerTransfer>&, cudaStream_t) { ++calls; };
+  auto expect_error = [&](ThroughputLayer layer, const char* name) {
+    try {
+      qmoe::ep::throughput_layer(layer, counting);
+      ADD_FAILURE() << "expected an error naming " << name;
+    } catch (const qmoe::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("'") + name + "'"), std::string::npos) << e.what();
+    }
+  };
+  expect_error({v.p, 0, 0}, "world_size");
+  expect_error({v.p, 2, 2}, "rank");
+  expect_error({v.p, 3, 0}, "num_experts");
+  ThroughputLayer bad{v.p, 2, 0};
+  bad.moe.deterministic = false;
+  expect_error(bad, "deterministic");
+  bad = {v.p, 2, 0};
+  bad.moe.tactic = "decode_m128_n8_k256";
+  expect_error(bad, "tactic");
+  EXPECT_EQ(calls, 0);
+  for (uint8_t b : v.out) ASSERT_EQ(b, 0xAA) << "an output byte was written by a refused call";
 }
 
 TEST(EpLowLatencyLayer, ArgumentErrorsNameTheArgumentBeforeAnyExchange) {

@@ -1,0 +1,83 @@
+// The kernels of the expert-parallel layers (src/api/expert_parallel_layer.cpp):
+//   row index:  index[t*k + j] = d*C*k + t*k + j for slot (t, j) owned by rank d = id / (E / W), -1 for
+//               an invalid id (outside [0, E)): where the low-latency combine delivers the slot's row;
+//   broadcast:  a per-tensor a1 (a device float) into the a1 field of every payload row;
+//   gather:     dst row i = src row index[i] (the throughput mode's send and return orders).
+// All elementwise; no host sync.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/launch.h"
+
+namespace qmoe::cuda {
+
+namespace {
+
+__global__ void row_index_kernel(const int32_t* ids, int64_t slots, int64_t topk, int64_t num_experts,
+                                 int64_t per_rank, int64_t capacity, int32_t* index) {
+  const int64_t s = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (s >= slots) return;
+  const int64_t e = ids[s];
+  const int64_t t = s / topk, j = s % topk;
+  index[s] = e >= 0 && e < num_experts ? static_cast<int32_t>((e / per_rank) * capacity * topk + t * topk + j) : -1;
+}
+
+__global__ void broadcast_kernel(const float* value, uint8_t* rows, int64_t pitch, int64_t count) {
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r < count) *reinterpret_cast<float*>(rows + r * pitch) = *value;
+}
+
+// One thread per (row, word) with words of W bytes (16, 4 or 1, the widest that divides every offset).
+template <class Word>
+__global__ void gather_kernel(uint8_t* dst, int64_t dst_pitch, const uint8_t* src, int64_t src_pitch,
+                              const int32_t* index, int64_t count, int64_t words) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= count * words) return;
+  const int64_t row = i / words, w = i % words;
+  const Word* from = reinterpret_cast<const Word*>(src + static_cast<int64_t>(index[row]) * src_pitch);
+  reinterpret_cast<Word*>(dst + row * dst_pitch)[w] = from[w];
+}
+
+}  // namespace
+
+void ep_gather_rows(void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch, const int32_t* index,
+                    int64_t count, int64_t width, cudaStream_t stream) {
+  if (count <= 0 || width <= 0) return;
+  constexpr int kThreads = 256;
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         static_cast<uintptr_t>(dst_pitch) | static_cast<uintptr_t>(src_pitch) |
+                         static_cast<uintptr_t>(width);
+  auto launch = [&](auto word) {
+    using Word = decltype(word);
+    const int64_t words = width / static_cast<int64_t>(sizeof(Word));
+    const int64_t threads = count * words;
+    gather_kernel<Word><<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        static_cast<uint8_t*>(dst), dst_pitch, static_cast<const uint8_t*>(src), src_pitch, index, count, words);
+  };
+  if (bits % 16 == 0) launch(uint4{});
+  else if (bits % 4 == 0) launch(uint32_t{});
+  else launch(uint8_t{});
+  check_cuda(cudaGetLastError(), "launch of the expert-parallel row gather");
+}
+
+void ep_low_latency_row_index(const TensorRef& topk_ids, int64_t num_experts, int world_size, int64_t capacity,
+                              TensorRef index, cudaStream_t stream) {
+  const int64_t slots = topk_ids.numel();
+  if (slots == 0) return;
+  constexpr int kThreads = 256;
+  row_index_kernel<<<static_cast<unsigned>((slots + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      topk_ids.ptr<const int32_t>(), slots, topk_ids.size(1), num_experts, num_experts / world_size, capacity,
+      index.ptr<int32_t>());
+  check_cuda(cudaGetLastError(), "launch of the expert-parallel row index");
+}
+
+void ep_broadcast_f32_rows(const float* value, void* rows, int64_t pitch, int64_t count, cudaStream_t stream) {
+  if (count <= 0) return;
+  constexpr int kThreads = 256;
+  broadcast_kernel<<<static_cast<unsigned>((count + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      value, static_cast<uint8_t*>(rows), pitch, count);
+  check_cuda(cudaGetLastError(), "launch of the expert-parallel a1 broadcast");
+}
+
+}  // namespace qmoe::cuda
