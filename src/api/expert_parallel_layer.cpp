@@ -8,9 +8,11 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "cuda/common/device_guard.h"
 #include "cuda/launch.h"
 #include "qmoe/expert_parallel.h"
 #include "qmoe/formats.h"
@@ -429,18 +431,8 @@ void throughput_layer(const ThroughputLayer& l, const Exchange& exchange, cudaSt
   QMOE_CHECK_ARG(static_cast<bool>(exchange), "exchange", "a callable all-to-all", "an empty std::function");
   const FusedMoeParams& p = l.moe;
   const bool cuda = p.x.is_cuda();
-  int previous_device = 0;
-  if (cuda) {  // the stream-ordered allocations below land on the current device
-    cuda::check_cuda(cudaGetDevice(&previous_device), "cudaGetDevice");
-    cuda::check_cuda(cudaSetDevice(p.x.device_index), "cudaSetDevice");
-  }
-  struct Restore {
-    bool on;
-    int device;
-    ~Restore() {
-      if (on) cudaSetDevice(device);
-    }
-  } restore{cuda, previous_device};
+  std::optional<cuda::DeviceGuard> device;  // the stream-ordered allocations below land on the current device
+  if (cuda) device.emplace(p.x.device_index);
   const Plan plan = make_plan(p, l.world_size, 0);
   const int64_t T = plan.tokens, k = plan.topk, H = plan.hidden, B = plan.row_bytes, W = plan.world;
   const size_t w = static_cast<size_t>(W);

@@ -44,4 +44,13 @@ __device__ __forceinline__ void int4x8_to_e4m3x8(uint32_t packed, uint32_t& lo, 
   hi = int4x4_to_e4m3x4(index >> 16, select >> 16);
 }
 
+// Biased codes (an experiment of the WGMMA kernels, their BIASED flag): bytes (q XOR 8), which e4m3
+// reads as (q + 8) * 2^-9 exactly (codes 0..15 share the spacing 2^-9), for 4 consecutive nibbles of
+// `word`: nibbles 0-3 with select = 0x5140, nibbles 4-7 with select = 0x7362 (the even and odd nibbles
+// are split by two masks, then interleaved back into K order by one byte permute).
+__device__ __forceinline__ uint32_t int4x4_to_biased_e4m3x4(uint32_t word, uint32_t select) {
+  const uint32_t even = (word & 0x0F0F0F0Fu) ^ 0x08080808u, odd = ((word >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u;
+  return prmt(even, odd, select);
+}
+
 }  // namespace qmoe::cuda

@@ -37,6 +37,7 @@
 #include <type_traits>
 
 #include "cuda/gemm/grouped_tile_list.cuh"
+#include "cuda/gemm/k_warps.cuh"
 #include "cuda/gemm/sm90_grouped_gemm_bf16_w4.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"  // cp.async helpers, store_pair, swizzle_b
 #include "cuda/common/pdl.cuh"
@@ -416,34 +417,10 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     }
 
     if (s == stages_per_tile - 1) {
-      if constexpr (WARPS_K > 1) {
-        // ---- K warps meet: warps k > 0 park their sums, warp k = 0 adds them in k order.
+      if constexpr (WARPS_K > 1) {  // ---- K warps meet (k_warps.cuh); the next iteration's barrier retires `park`
         float* park = reinterpret_cast<float*>(stages + STAGES * Cfg::kStageBytes);
-        constexpr int kAccs = MF * NF * 4;
         constexpr int kMnThreads = WARPS_M * WARPS_N * 32;
-        const int mn_tid = tid % kMnThreads;
-        if (warp_k > 0) {
-#pragma unroll
-          for (int i = 0; i < MF; ++i)
-#pragma unroll
-            for (int j = 0; j < NF; ++j)
-#pragma unroll
-              for (int c = 0; c < 4; ++c) {
-                park[((warp_k - 1) * kAccs + (i * NF + j) * 4 + c) * kMnThreads + mn_tid] = acc[i][j][c];
-                acc[i][j][c] = 0.f;
-              }
-        }
-        __syncthreads();
-        if (warp_k > 0) continue;  // (the next iteration's barrier retires `park` before its next use)
-#pragma unroll
-        for (int k = 1; k < WARPS_K; ++k)
-#pragma unroll
-          for (int i = 0; i < MF; ++i)
-#pragma unroll
-            for (int j = 0; j < NF; ++j)
-#pragma unroll
-              for (int c = 0; c < 4; ++c)
-                acc[i][j][c] += park[((k - 1) * kAccs + (i * NF + j) * 4 + c) * kMnThreads + mn_tid];
+        if (!meet_k_warps<WARPS_K, MF, NF, kMnThreads>(acc, park, warp_k, tid % kMnThreads)) continue;
       }
       // ---- Epilogue: D[row, n] = out(s[row] * (post * acc)); lanes gid, gid ^ 1 swap values so each
       // stores two adjacent features of one token.

@@ -240,20 +240,16 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const W
     // 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then r1.
     uint32_t a[4][4];
     const int shift = (tig & 1) * 16;
-    [[maybe_unused]] const uint32_t select = (tig & 1) ? 0x7362u : 0x5140u;  // BIASED: 4 nibbles in K order
-    [[maybe_unused]] auto biased4 = [&](uint32_t x) {
-      const uint32_t even = (x & 0x0F0F0F0Fu) ^ 0x08080808u, odd = ((x >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u;
-      return prmt(even, odd, select);
-    };
+    [[maybe_unused]] const uint32_t select = (tig & 1) ? 0x7362u : 0x5140u;  // BIASED: this thread's nibbles
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const uint32_t lo0 = (tig & 2) ? w0[s].y : w0[s].x, hi0 = (tig & 2) ? w0[s].w : w0[s].z;
       const uint32_t lo1 = (tig & 2) ? w1[s].y : w1[s].x, hi1 = (tig & 2) ? w1[s].w : w1[s].z;
       if constexpr (BIASED) {
-        a[s][0] = biased4(lo0);
-        a[s][1] = biased4(lo1);
-        a[s][2] = biased4(hi0);
-        a[s][3] = biased4(hi1);
+        a[s][0] = int4x4_to_biased_e4m3x4(lo0, select);
+        a[s][1] = int4x4_to_biased_e4m3x4(lo1, select);
+        a[s][2] = int4x4_to_biased_e4m3x4(hi0, select);
+        a[s][3] = int4x4_to_biased_e4m3x4(hi1, select);
       } else {
         a[s][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
         a[s][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
@@ -445,17 +441,11 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
       const uint32_t lo0 = (tig & 2) ? w0[k].y : w0[k].x, hi0 = (tig & 2) ? w0[k].w : w0[k].z;
       const uint32_t lo1 = (tig & 2) ? w1[k].y : w1[k].x, hi1 = (tig & 2) ? w1[k].w : w1[k].z;
       if constexpr (BIASED) {
-        // Bytes (q XOR 8) of nibbles 0, 2, 4, 6 and 1, 3, 5, 7; this thread's 4 consecutive ones
-        // (nibbles 0-3, or 4-7 for odd tig) interleaved back into K order by one byte permute.
-        const uint32_t select = (tig & 1) ? 0x7362u : 0x5140u;
-        auto biased4 = [&](uint32_t x) {
-          const uint32_t even = (x & 0x0F0F0F0Fu) ^ 0x08080808u, odd = ((x >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u;
-          return prmt(even, odd, select);
-        };
-        out[k][0] = biased4(lo0);
-        out[k][1] = biased4(lo1);
-        out[k][2] = biased4(hi0);
-        out[k][3] = biased4(hi1);
+        const uint32_t select = (tig & 1) ? 0x7362u : 0x5140u;  // this thread's nibbles: 0-3 or 4-7
+        out[k][0] = int4x4_to_biased_e4m3x4(lo0, select);
+        out[k][1] = int4x4_to_biased_e4m3x4(lo1, select);
+        out[k][2] = int4x4_to_biased_e4m3x4(hi0, select);
+        out[k][3] = int4x4_to_biased_e4m3x4(hi1, select);
       } else {
         out[k][0] = wgmma_prefill::int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
         out[k][1] = wgmma_prefill::int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
