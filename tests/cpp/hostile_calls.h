@@ -256,9 +256,9 @@ struct FusedCall {
     cs.poison();
     p = cs.params();
   }
-  Target target() {
-    Target t;
-    t.label = std::string("fused_moe[") + qmoe::quant_mode_name(cs.c.mode) + "]";
+  // The fused call's tensor slots, buffers and scalar mutations on params p of case cs (shared with
+  // EpLayerCall, whose layer takes the same tensors).
+  static void add_fused(Target& t, fused_moe_test::Case& cs, qmoe::FusedMoeParams& p) {
     const bool int4 = fused_moe_test::fmt_of(cs.c.mode) == fused_moe_test::Fmt::kInt4;
     const std::vector<DType> w = int4 ? std::vector<DType>{DType::kInt4x2, DType::kInt8, DType::kUInt8}
                                       : std::vector<DType>{DType::kFloat4E2M1x2, DType::kUInt8};
@@ -292,27 +292,33 @@ struct FusedCall {
     t.scalars = {"quant_mode", "activation", "gate_up_layout", "num_experts", "num_local_experts",
                  "local_expert_offset", "routed_scaling_factor", "swiglu_alpha", "swiglu_limit", "situ_beta",
                  "tactic"};
-    t.run = [this] { qmoe::fused_moe(p); };
     auto add = [&](const auto& v) {
       if (!v.empty()) t.memory.emplace_back(v.data(), v.size() * sizeof(v[0]));
     };
     add(cs.ids), add(cs.wts), add(cs.x16), add(cs.x8), add(cs.xsf), add(cs.a1), add(cs.a2), add(cs.w1a);
     add(cs.w2a), add(cs.pts), add(cs.out), add(cs.w1.packed), add(cs.w1.stored16), add(cs.w1.stored8);
     add(cs.w2.packed), add(cs.w2.stored16), add(cs.w2.stored8);
-    t.bad_scalar = [this](Rng& rng, const std::string& name) {
-      const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
-      if (name == "quant_mode") p.quant_mode = static_cast<qmoe::QuantMode>(rng.below(2) ? 5 : -1);
-      if (name == "activation") p.activation = static_cast<qmoe::Activation>(rng.below(2) ? 4 : 200);
-      if (name == "gate_up_layout") p.gate_up_layout = static_cast<qmoe::GateUpLayout>(rng.below(2) ? 2 : -7);
-      if (name == "num_experts") p.num_experts = rng.below(2) ? 0 : -5;
-      if (name == "num_local_experts") p.num_local_experts = rng.below(2) ? -1 : INT64_MIN;
-      if (name == "local_expert_offset") p.local_expert_offset = rng.below(2) ? -1 : INT64_MIN;
-      if (name == "routed_scaling_factor") p.routed_scaling_factor = rng.below(2) ? nan : -inf;
-      if (name == "swiglu_alpha") p.swiglu_alpha = rng.below(2) ? nan : inf;
-      if (name == "swiglu_limit") p.swiglu_limit = rng.below(2) ? nan : 0.0f;
-      if (name == "situ_beta") p.situ_beta = rng.below(2) ? nan : 2.0f;  // 2: a SiTU parameter with another act
-      if (name == "tactic") p.tactic = "decode_m128_n8_k256";
-    };
+  }
+  static void bad_fused_scalar(qmoe::FusedMoeParams& p, Rng& rng, const std::string& name) {
+    const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+    if (name == "quant_mode") p.quant_mode = static_cast<qmoe::QuantMode>(rng.below(2) ? 5 : -1);
+    if (name == "activation") p.activation = static_cast<qmoe::Activation>(rng.below(2) ? 4 : 200);
+    if (name == "gate_up_layout") p.gate_up_layout = static_cast<qmoe::GateUpLayout>(rng.below(2) ? 2 : -7);
+    if (name == "num_experts") p.num_experts = rng.below(2) ? 0 : -5;
+    if (name == "num_local_experts") p.num_local_experts = rng.below(2) ? -1 : INT64_MIN;
+    if (name == "local_expert_offset") p.local_expert_offset = rng.below(2) ? -1 : INT64_MIN;
+    if (name == "routed_scaling_factor") p.routed_scaling_factor = rng.below(2) ? nan : -inf;
+    if (name == "swiglu_alpha") p.swiglu_alpha = rng.below(2) ? nan : inf;
+    if (name == "swiglu_limit") p.swiglu_limit = rng.below(2) ? nan : 0.0f;
+    if (name == "situ_beta") p.situ_beta = rng.below(2) ? nan : 2.0f;  // 2: a SiTU parameter with another act
+    if (name == "tactic") p.tactic = "decode_m128_n8_k256";
+  }
+  Target target() {
+    Target t;
+    t.label = std::string("fused_moe[") + qmoe::quant_mode_name(cs.c.mode) + "]";
+    add_fused(t, cs, p);
+    t.run = [this] { qmoe::fused_moe(p); };
+    t.bad_scalar = [this](Rng& rng, const std::string& name) { bad_fused_scalar(p, rng, name); };
     return t;
   }
 };
@@ -369,44 +375,11 @@ struct EpLayerCall {
     layer.max_tokens_per_rank = cs.c.T + 1;
   }
   Target target() {
-    FusedCall shape(0);  // borrows FusedCall's slot table and scalar mutations, applied to layer.moe
     Target t;
     t.label = std::string(throughput ? "ep_throughput_layer[" : "ep_low_latency_layer[") +
               qmoe::quant_mode_name(cs.c.mode) + "]";
-    qmoe::FusedMoeParams& p = layer.moe;
-    const bool int4 = fused_moe_test::fmt_of(cs.c.mode) == fused_moe_test::Fmt::kInt4;
-    const std::vector<DType> w = int4 ? std::vector<DType>{DType::kInt4x2, DType::kInt8, DType::kUInt8}
-                                      : std::vector<DType>{DType::kFloat4E2M1x2, DType::kUInt8};
-    std::vector<DType> ws = {DType::kBFloat16};
-    if (cs.c.mode == qmoe::QuantMode::kW4A8Mx) ws = {DType::kUE8M0, DType::kUInt8};
-    if (cs.c.mode == qmoe::QuantMode::kW4A4 || cs.c.mode == qmoe::QuantMode::kW4A16) ws = {DType::kFloat8E4M3, DType::kUInt8};
-    std::vector<DType> xd = {DType::kBFloat16};
-    if (cs.c.mode == qmoe::QuantMode::kW4A8Int4) xd = {DType::kBFloat16, DType::kFloat8E4M3};
-    if (cs.c.mode == qmoe::QuantMode::kW4A4) xd = {DType::kFloat4E2M1x2, DType::kUInt8};
-    if (cs.c.mode == qmoe::QuantMode::kW4A8Mx) xd = {DType::kFloat8E4M3};
-    t.slots = {{"x", &p.x, false, xd},
-               {"topk_ids", &p.topk_ids, false, {DType::kInt32}},
-               {"topk_weights", &p.topk_weights, false, {DType::kFloat32}},
-               {"w1", &p.w1, false, w},
-               {"w1_scale", &p.w1_scale, false, ws},
-               {"w2", &p.w2, false, w},
-               {"w2_scale", &p.w2_scale, false, ws},
-               {"output", &p.output, true, {DType::kBFloat16, DType::kFloat16, DType::kFloat32}}};
-    auto opt = [&](std::optional<TensorRef>& r, const char* name, std::vector<DType> dt) {
-      if (r) t.slots.push_back({name, &*r, false, dt});
-    };
-    std::vector<DType> xs = {DType::kFloat32};
-    if (cs.c.mode == qmoe::QuantMode::kW4A4) xs = {DType::kFloat8E4M3, DType::kUInt8};
-    if (cs.c.mode == qmoe::QuantMode::kW4A8Mx) xs = {DType::kUE8M0, DType::kUInt8};
-    opt(p.x_scale, "x_scale", xs);
-    if (cs.c.mode == qmoe::QuantMode::kW4A8Int4 && p.x_scale) t.slots.back().also_legal_numel = p.topk_ids.size(0);
-    opt(p.w1_alpha, "w1_alpha", {DType::kFloat32});
-    opt(p.w2_alpha, "w2_alpha", {DType::kFloat32});
-    opt(p.fc2_input_scale, "fc2_input_scale", {DType::kFloat32});
-    opt(p.per_token_scale, "per_token_scale", {DType::kFloat32});
-    t.scalars = {"quant_mode", "activation", "gate_up_layout", "num_experts", "num_local_experts",
-                 "local_expert_offset", "routed_scaling_factor", "swiglu_alpha", "swiglu_limit", "situ_beta",
-                 "tactic", "world_size", "rank", "deterministic"};
+    FusedCall::add_fused(t, cs, layer.moe);
+    for (const char* name : {"world_size", "rank", "deterministic"}) t.scalars.push_back(name);
     if (!throughput) t.scalars.push_back("max_tokens_per_rank");
     t.run = [this] {
       qmoe::ep::Exchange self = [](const std::vector<qmoe::ep::PeerTransfer>& peers, cudaStream_t) {
@@ -416,32 +389,13 @@ struct EpLayerCall {
       if (throughput) qmoe::ep::throughput_layer(qmoe::ep::ThroughputLayer{layer.moe, layer.world_size, layer.rank}, self);
       else qmoe::ep::low_latency_layer(layer, self);
     };
-    auto add = [&](const auto& v) {
-      if (!v.empty()) t.memory.emplace_back(v.data(), v.size() * sizeof(v[0]));
-    };
-    add(cs.ids), add(cs.wts), add(cs.x16), add(cs.x8), add(cs.xsf), add(cs.a1), add(cs.a2), add(cs.w1a);
-    add(cs.w2a), add(cs.pts), add(cs.out), add(cs.w1.packed), add(cs.w1.stored16), add(cs.w1.stored8);
-    add(cs.w2.packed), add(cs.w2.stored16), add(cs.w2.stored8);
     t.bad_scalar = [this](Rng& rng, const std::string& name) {
-      const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
-      qmoe::FusedMoeParams& p = layer.moe;
-      if (name == "quant_mode") p.quant_mode = static_cast<qmoe::QuantMode>(rng.below(2) ? 5 : -1);
-      if (name == "activation") p.activation = static_cast<qmoe::Activation>(rng.below(2) ? 4 : 200);
-      if (name == "gate_up_layout") p.gate_up_layout = static_cast<qmoe::GateUpLayout>(rng.below(2) ? 2 : -7);
-      if (name == "num_experts") p.num_experts = rng.below(2) ? 0 : -5;
-      if (name == "num_local_experts") p.num_local_experts = rng.below(2) ? -1 : INT64_MIN;
-      if (name == "local_expert_offset") p.local_expert_offset = rng.below(2) ? -1 : INT64_MIN;
-      if (name == "routed_scaling_factor") p.routed_scaling_factor = rng.below(2) ? nan : -inf;
-      if (name == "swiglu_alpha") p.swiglu_alpha = rng.below(2) ? nan : inf;
-      if (name == "swiglu_limit") p.swiglu_limit = rng.below(2) ? nan : 0.0f;
-      if (name == "situ_beta") p.situ_beta = rng.below(2) ? nan : 2.0f;
-      if (name == "tactic") p.tactic = "decode_m128_n8_k256";
+      FusedCall::bad_fused_scalar(layer.moe, rng, name);
       if (name == "world_size") layer.world_size = rng.below(2) ? 0 : -3;
       if (name == "rank") layer.rank = rng.below(2) ? -1 : 1;
       if (name == "max_tokens_per_rank") layer.max_tokens_per_rank = rng.below(2) ? 0 : layer.moe.topk_ids.size(0) - 1;
-      if (name == "deterministic") p.deterministic = false;
+      if (name == "deterministic") layer.moe.deterministic = false;
     };
-    (void)shape;
     return t;
   }
 };

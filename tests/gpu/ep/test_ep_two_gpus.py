@@ -152,11 +152,16 @@ def single_gpu(env, mine, tactic, **kw):
     return ops.fused_moe(**args, deterministic=True, tactic=tactic, **kw)
 
 
-def ep_forward(env, layer, case, mine, mode, tactic, capacity=None, drop=(), out=None, chunks=None):
+def local_weights(env, case):
+    """This rank's E / world experts of every weight tensor (None where the case has none)."""
     per = E // env.world
     sl = slice(env.rank * per, (env.rank + 1) * per)
-    w = {k: (None if case.get(k) is None else case[k][sl]) for k in ("w1", "w1_scale", "w2", "w2_scale", "w1_alpha",
-                                                                      "w2_alpha")}
+    return {k: (None if case.get(k) is None else case[k][sl]) for k in ("w1", "w1_scale", "w2", "w2_scale", "w1_alpha",
+                                                                         "w2_alpha")}
+
+
+def ep_forward(env, layer, case, mine, mode, tactic, capacity=None, drop=(), out=None, chunks=None):
+    w = local_weights(env, case)
     extra = {k: mine.get(k) for k in ("x_scale", "fc2_input_scale", "per_token_scale") if k not in drop}
     return layer.forward(mine["x"], mine["topk_ids"], mine["topk_weights"], w["w1"], w["w1_scale"], w["w2"],
                          w["w2_scale"], w1_alpha=w["w1_alpha"], w2_alpha=w["w2_alpha"], mode=mode,
@@ -231,9 +236,7 @@ def check_cpp_layer(env, transport, quant_mode, ids, wts, bounds, tactic, capaci
     case = make_case(env, quant_mode, ids, wts)
     mine = rank_slice(case, bounds, env.rank)
     per = E // env.world
-    sl = slice(env.rank * per, (env.rank + 1) * per)
-    w = {k: (None if case.get(k) is None else case[k][sl]) for k in ("w1", "w1_scale", "w2", "w2_scale", "w1_alpha",
-                                                                      "w2_alpha")}
+    w = local_weights(env, case)
     tokens = mine["topk_ids"].shape[0]
     out = torch.full((tokens, H), float("nan"), dtype=torch.bfloat16, device=env.device)
     call = ops._layer_call(quant_mode, mine["x"], mine.get("x_scale"), mine["topk_ids"], mine["topk_weights"], w["w1"],
