@@ -126,6 +126,17 @@ RankView rank_view(Case& cs, int world, int rank, int64_t first, int64_t count, 
   return v;
 }
 
+// `run` must throw a qmoe::Error whose message names the argument `name`.
+template <class Run>
+void expect_named_error(Run run, const char* name) {
+  try {
+    run();
+    ADD_FAILURE() << "expected an error naming " << name;
+  } catch (const qmoe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(std::string("'") + name + "'"), std::string::npos) << e.what();
+  }
+}
+
 struct EpSetup {
   Config cfg;
   int world = 2;
@@ -308,12 +319,7 @@ TEST(EpThroughputLayer, ArgumentErrorsBeforeAnyExchange) {
   int calls = 0;
   qmoe::ep::Exchange counting = [&](const std::vector<PeerTransfer>&, cudaStream_t) { ++calls; };
   auto expect_error = [&](ThroughputLayer layer, const char* name) {
-    try {
-      qmoe::ep::throughput_layer(layer, counting);
-      ADD_FAILURE() << "expected an error naming " << name;
-    } catch (const qmoe::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(std::string("'") + name + "'"), std::string::npos) << e.what();
-    }
+    expect_named_error([&] { qmoe::ep::throughput_layer(layer, counting); }, name);
   };
   expect_error({v.p, 0, 0}, "world_size");
   expect_error({v.p, 2, 2}, "rank");
@@ -338,12 +344,7 @@ TEST(EpLowLatencyLayer, ArgumentErrorsNameTheArgumentBeforeAnyExchange) {
   int calls = 0;
   qmoe::ep::Exchange counting = [&](const std::vector<PeerTransfer>&, cudaStream_t) { ++calls; };
   auto expect_error = [&](LowLatencyLayer layer, const char* name) {
-    try {
-      qmoe::ep::low_latency_layer(layer, counting);
-      ADD_FAILURE() << "expected an error naming " << name;
-    } catch (const qmoe::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(std::string("'") + name + "'"), std::string::npos) << e.what();
-    }
+    expect_named_error([&] { qmoe::ep::low_latency_layer(layer, counting); }, name);
   };
   expect_error({v.p, 2, 0, 4}, "max_tokens_per_rank");  // T = 5 > C = 4
   expect_error({v.p, 2, 0, 0}, "max_tokens_per_rank");
