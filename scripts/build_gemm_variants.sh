@@ -11,7 +11,7 @@
 #                                     format units, checked by tests/gpu/bf16_w4_gemm_check.cu: bf16_<name>)
 #   # ab-build: QMOE_AB_SRC=<unit>    another W4A8 unit (e.g. src/cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.cu)
 #   # ab-env: QMOE_AB_T=256,1024      options for scripts/device_ab.sh when it runs this list
-# `bash scripts/build_gemm_variants.sh all` builds every list in bench/ab.
+# `bash scripts/build_gemm_variants.sh all` builds every list in bench/ab and packs them into .dev/ab.tgz.
 # List format, one variant per line (# comments and blank lines skipped):
 #   <name> | <sed expression> [| <sed expression> ...]       e.g.
 #   base   | s/xx/xx/
@@ -26,6 +26,9 @@ cd "$(dirname "$0")/.."
 LIST=${1:?usage: build_gemm_variants.sh <variant list> | all}
 if [[ "$LIST" == all ]]; then
   for l in bench/ab/*.txt; do bash "$0" "$l" || exit 1; done
+  # One compressed file (binaries gzip to ~30%): carried with .dev/cutlass it stays under the 64 MiB
+  # carry limit, so one device call can build, test and run every A/B list (device_ab.sh unpacks it).
+  tar -C .dev -czf .dev/ab.tgz ab && echo "packed .dev/ab.tgz ($(du -h .dev/ab.tgz | cut -f1))"
   exit 0
 fi
 # shellcheck disable=SC2046 # the list's ab-build words are NAME=value assignments

@@ -10,6 +10,8 @@
 # correctness checks first: every tactic vs the CPU reference), QMOE_AB_MAX_T=512 (bf16 binaries).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# carried as one packed file (build_gemm_variants.sh all): unpack it first
+if [[ -f .dev/ab.tgz && ! -d .dev/ab ]]; then tar -C .dev -xzf .dev/ab.tgz; fi
 lists=("$@")
 if [[ ${#lists[@]} -eq 0 ]]; then
   for d in .dev/ab/*/; do lists+=("$(basename "$d")"); done
