@@ -271,7 +271,10 @@ def _engine_takes_tactics(x) -> bool:
 
 
 class ExpertParallelMoE:
-    """One MoE layer with experts split evenly over world_size ranks; this object is one rank."""
+    """One MoE layer with experts split evenly over world_size ranks; this object is one rank.
+
+    comm_sms: SMs a chunked forward (forward(chunks=n > 1), CUDA tensors) leaves free for NCCL's kernels
+    while its experts' GEMMs run (qmoe.limit_sms); 0 lets the GEMMs fill the GPU."""
 
     def __init__(self, world_size: int, rank: int, num_experts: int, *, transport, quant_mode: str = "w4a8_int4",
                  activation: str = "swiglu", gate_up_layout: str = "gate_up", routed_scaling_factor: float = 1.0,
