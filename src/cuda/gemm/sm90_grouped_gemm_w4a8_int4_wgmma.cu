@@ -58,6 +58,12 @@ struct Shape {
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+// The first 1024-byte aligned address of the dynamic shared memory. NOTE: offset from the __shared__
+// array itself, not rounded as an integer and cast back: that loses the address space, and every
+// access through the pointer then compiles to a generic load (LD.E) instead of LDS.
+__device__ __forceinline__ uint8_t* align_1024(uint8_t* smem_raw) {
+  return smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+}
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
@@ -173,8 +179,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const W
   using S = Shape<TILE_N>;
   constexpr int kTileN = TILE_N;
   extern __shared__ uint8_t smem_raw[];
-  // 1024-byte alignment for the swizzled activation tiles.
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* smem = align_1024(smem_raw);  // the swizzled activation tiles need 1024-byte alignment
   uint8_t* stages = smem;
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem + kStages * S::kStageBytes);
   int32_t* warp_total = tile_start + kMaxExperts + 1;
@@ -370,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
   using S = Shape<TILE_N>;
   constexpr int kStages = S::kStages;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* smem = wgmma_prefill::align_1024(smem_raw);
   uint8_t* stages = smem;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * S::kStageBytes);
   uint64_t* empty = full + kStages;
