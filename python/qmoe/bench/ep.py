@@ -13,8 +13,8 @@ T tokens per rank, uniform top-k routing, static a1 / a2, deterministic finalize
            (exchanges on a side stream, overlapped with the other chunk's GEMMs, which leave
            --comm-sms SMs free for NCCL's kernels), its ratio, and whether its output is bitwise the
            chunks=1 output (rank 0).
-  split    prep (plan + count exchange + quantize + pack) / dispatch / compute (moe_expert_rows) /
-           combine / finalize (through row_index, no gather)
+  split    prep (plan + count exchange + quantize + pack; "prep host": the host's time for the same
+           phase) / dispatch / compute (moe_expert_rows) / combine / finalize (through row_index)
            of an eager throughput forward, CUDA events at the phase marks (ExpertParallelMoE.forward's
            timeline), medians, slower rank;
   link     bytes each rank sends to the other rank in dispatch and combine (packed rows: e4m3 x, a1,
@@ -192,18 +192,28 @@ def _peer_bytes(torch, ids, num_experts, world, rank, hidden, packed_width, capa
 
 
 def _split(torch, clock, layer, run, iters):
-    """Median per phase of an eager forward (timeline marks), slower rank."""
+    """Median per phase of an eager forward (timeline marks), slower rank. prep_host: the host's own
+    time from the start to the dispatch mark (perf_counter); next to prep (GPU events) it tells a
+    host-bound prep (Python work, the count sync) from GPU work."""
+    import time
+
     names = ("prep", "dispatch", "compute", "combine", "finalize")
-    samples = {n: [] for n in names}
+    samples = {n: [] for n in names + ("prep_host",)}
     for _ in range(iters):
-        marks = {}
+        marks, host = {}, {}
+
+        def mark(name):
+            host[name] = time.perf_counter()
+            marks[name] = clock.mark()
+
         _barrier(clock)
-        marks["start"] = clock.mark()
-        run(lambda name: marks.__setitem__(name, clock.mark()))
+        mark("start")
+        run(mark)
         order = ["start", "dispatch", "compute", "combine", "finalize", "end"]
         for n, (a, b) in zip(names, zip(order, order[1:])):
             samples[n].append(clock.us(marks[a], marks[b]))
-    return {n: _median_max(torch, samples[n]) for n in names}
+        samples["prep_host"].append((host["dispatch"] - host["start"]) * 1e6)
+    return {n: _median_max(torch, samples[n]) for n in names + ("prep_host",)}
 
 
 def rank_main(rank, world, args) -> int:
@@ -375,7 +385,7 @@ def _fmt(v, digits=1):
 COLUMNS = (("model", "model"), ("T/rank", "T"), ("single eager", "single_eager_us"), ("EP thr eager", "ep_thr_us"),
            ("thr ratio", "ratio_thr"), ("single graph", "single_us"), ("EP LL graph", "ep_ll_us"),
            ("LL ratio", "ratio_ll"),
-           ("prep", "split.prep"), ("dispatch", "split.dispatch"), ("compute", "split.compute"),
+           ("prep", "split.prep"), ("prep host", "split.prep_host"), ("dispatch", "split.dispatch"), ("compute", "split.compute"),
            ("combine", "split.combine"), ("finalize", "split.finalize"),
            ("disp MB", "dispatch_mb"), ("disp GB/s", "dispatch_gbps"), ("plain GB/s", "plain_dispatch_gbps"),
            ("comb MB", "combine_mb"), ("comb GB/s", "combine_gbps"), ("plain GB/s ", "plain_combine_gbps"),
