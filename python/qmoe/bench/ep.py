@@ -385,8 +385,8 @@ def _fmt(v, digits=1):
 COLUMNS = (("model", "model"), ("T/rank", "T"), ("single eager", "single_eager_us"), ("EP thr eager", "ep_thr_us"),
            ("thr ratio", "ratio_thr"), ("single graph", "single_us"), ("EP LL graph", "ep_ll_us"),
            ("LL ratio", "ratio_ll"),
-           ("prep", "split.prep"), ("prep host", "split.prep_host"), ("dispatch", "split.dispatch"), ("compute", "split.compute"),
-           ("combine", "split.combine"), ("finalize", "split.finalize"),
+           ("prep", "split.prep"), ("prep host", "split.prep_host"), ("dispatch", "split.dispatch"),
+           ("compute", "split.compute"), ("combine", "split.combine"), ("finalize", "split.finalize"),
            ("disp MB", "dispatch_mb"), ("disp GB/s", "dispatch_gbps"), ("plain GB/s", "plain_dispatch_gbps"),
            ("comb MB", "combine_mb"), ("comb GB/s", "combine_gbps"), ("plain GB/s ", "plain_combine_gbps"),
            ("EP vs single", "check"))
