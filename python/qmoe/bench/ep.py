@@ -24,6 +24,8 @@ T tokens per rank, uniform top-k routing, static a1 / a2, deterministic finalize
            shared/peers/h200x2-nccl-all-to-all.md.
   check    rank 0's EP output vs the single-GPU output of the same tokens (heuristic tactics on both
            sides, which may differ with the problem size): bitwise, else rel RMS.
+  C++      with --cpp, the C++ layers (include/qmoe/expert_parallel_layer.h) on the same communicator:
+           low latency as a graph replay, throughput eagerly (it waits on the host three times).
 Markdown table on stdout (rank 0); --out-dir writes <date>_h200x2_ep.md and .json too.
 --cpu: the same code on CPU tensors (reference engine, gloo point-to-point transport, shapes shrunk by
 --shrink, no graphs, wall-clock timing): a test of this script, not a benchmark.
@@ -51,6 +53,8 @@ def _parse(argv):
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="tokens per rank")
     p.add_argument("--modes", default="throughput,low_latency")
     p.add_argument("--chunks", default="2", help="extra low-latency chunk counts (> 1), comma list; '' for none")
+    p.add_argument("--cpp", action="store_true",
+                   help="also time the C++ layers (include/qmoe/expert_parallel_layer.h) on the same NCCL communicator")
     p.add_argument("--comm-sms", type=int, default=16,
                    help="SMs a chunked forward leaves to NCCL while its GEMMs run (ExpertParallelMoE comm_sms)")
     p.add_argument("--iters", type=int, default=20)
@@ -191,6 +195,33 @@ def _peer_bytes(torch, ids, num_experts, world, rank, hidden, packed_width, capa
                 dispatch_ll=[capacity * packed_width] * world)
 
 
+def _time_cpp_layers(torch, clock, args, transport, world, rank, experts, x, ids, wts, a1, a2, local, tokens,
+                     hidden) -> dict:
+    """us of the C++ low-latency layer (graph replay, capacity = tokens) and throughput layer (eager)."""
+    from .. import _C, ops
+    from .._tensors import current_stream
+
+    per = experts // world
+    out = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=x.device)
+    call = ops._layer_call("w4a8_int4", x, a1, ids, wts, local["w1"], local["w1_scale"], None, a2, local["w2"],
+                           local["w2_scale"], None, None, (out, "output"), experts, per, rank * per, "swiglu", 1.0,
+                           0.0, float("inf"), 1.0, None, "gate_up", True, 1.0, None)
+    nbytes = _C.ep_low_latency_layer_workspace_size(call, world, rank, tokens)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+
+    def ll():
+        _C.ep_low_latency_layer(call, world, rank, tokens, transport.comm, ops.arg(workspace, "workspace"),
+                                current_stream(out))
+
+    graph = _graph(torch, ll, args.warmup)
+    result = {"cpp_ll_us": _time_ep(torch, clock, graph.replay, args.iters, 1)}
+    del graph
+    result["cpp_thr_us"] = _time_ep(
+        torch, clock, lambda: _C.ep_throughput_layer(call, world, rank, transport.comm, current_stream(out)),
+        args.iters, args.warmup)
+    return result
+
+
 def _split(torch, clock, layer, run, iters):
     """Median per phase of an eager forward (timeline marks), slower rank. prep_host: the host's own
     time from the start to the dispatch mark (perf_counter); next to prep (GPU events) it tells a
@@ -295,6 +326,19 @@ def rank_main(rank, world, args) -> int:
                     row[f"ep_{key}_error"] = f"{type(e).__name__}: {e}"
                     print(f"[rank {rank}] {model} T={tokens} {mode}: {row[f'ep_{key}_error']}", flush=True)
                     raise  # the peer may be inside an exchange: stop rather than desynchronise
+            # The C++ layers on the transport's communicator: low latency as a graph replay, throughput
+            # eager (it waits on the host), against the single GPU like the Python modes.
+            if args.cpp and not args.cpu:
+                try:
+                    row.update(_time_cpp_layers(torch, clock, args, transport, world, rank, experts, x, ids, wts, a1,
+                                                a2, local, tokens, hidden))
+                    for key, base in (("cpp_ll", row.get("single_us")), ("cpp_thr", row.get("single_eager_us"))):
+                        if base:
+                            row[f"ratio_{key}"] = row[f"{key}_us"] / base
+                except Exception as e:  # noqa: BLE001
+                    row["cpp_error"] = f"{type(e).__name__}: {e}"
+                    print(f"[rank {rank}] {model} T={tokens} C++ layers: {row['cpp_error']}", flush=True)
+                    raise  # the peer may be inside an exchange: stop rather than desynchronise
             # Low latency in chunks (forward(chunks=n)): graph replay, ratio, bitwise vs chunks=1.
             for n in (args.chunks if "low_latency" in args.modes else []):
                 key = f"ll_c{n}"
@@ -394,11 +438,13 @@ COLUMNS = (("model", "model"), ("T/rank", "T"), ("single eager", "single_eager_u
 
 def _columns(args):
     """COLUMNS with, per --chunks N, the chunked low-latency time and ratio after the LL ratio and
-    its bitwise check at the end."""
+    its bitwise check at the end; with --cpp the C++ layers' times and ratios after those."""
+    cpp = [("C++ LL graph", "cpp_ll_us"), ("C++ LL ratio", "ratio_cpp_ll"), ("C++ thr eager", "cpp_thr_us"),
+           ("C++ thr ratio", "ratio_cpp_thr")] if getattr(args, "cpp", False) else []
     extra = [c for n in args.chunks for c in ((f"EP LL c{n} graph", f"ep_ll_c{n}_us"),
                                                 (f"LL c{n} ratio", f"ratio_ll_c{n}"))]
     at = [k for _, k in COLUMNS].index("ratio_ll") + 1
-    return (COLUMNS[:at] + tuple(extra) + COLUMNS[at:]
+    return (COLUMNS[:at] + tuple(extra) + tuple(cpp) + COLUMNS[at:]
             + tuple((f"LL c{n} vs c1", f"ll_c{n}_check") for n in args.chunks))
 
 
