@@ -1,9 +1,9 @@
 // The expert-parallel layers from C++ (include/qmoe/expert_parallel_layer.h): payload rows at home, a
 // dispatch, moe_expert_rows on the owner, a combine, moe_finalize at home through a row index. Low
 // latency: fixed-size exchanges, no host sync. Throughput: the host plan (expert_parallel.h), counts
-// first, then variable-size exchanges of only what a peer needs. Data movement is copies (2D memcpy / memset on CUDA, memcpy on the CPU)
-// plus three tiny kernels (src/cuda/ep/ep_layer_kernels.cu): the low-latency row index, the broadcast
-// of a per-tensor a1 into the payload rows, and the throughput mode's row gather.
+// first, then variable-size exchanges of only what a peer needs. Data movement is copies (2D memcpy /
+// memset on CUDA, memcpy on the CPU) plus three tiny kernels (src/cuda/ep/ep_layer_kernels.cu): the
+// low-latency row index, the broadcast of a per-tensor a1 into the payload rows, the row gather.
 #include "qmoe/expert_parallel_layer.h"
 
 #include <cstring>
@@ -162,8 +162,8 @@ Spans make_spans(const LowLatencyLayer& l, const Plan& plan) {
 }
 
 // rows x width bytes: dst rows dst_pitch apart, src rows src_pitch apart.
-void copy_rows(bool cuda, void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch, int64_t width,
-               int64_t rows, cudaStream_t stream) {
+void copy_rows(bool cuda, void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch, int64_t width, int64_t rows,
+               cudaStream_t stream) {
   if (rows <= 0 || width <= 0) return;
   if (cuda) {
     cuda::check_cuda(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDeviceToDevice, stream),
@@ -210,7 +210,8 @@ class Buffer {
   Buffer(bool cuda, int64_t bytes, cudaStream_t stream) : cuda_(cuda), stream_(stream) {
     if (bytes <= 0) return;
     if (cuda) {
-      cuda::check_cuda(cudaMallocAsync(&ptr_, static_cast<size_t>(bytes), stream), "cudaMallocAsync (expert parallelism)");
+      cuda::check_cuda(cudaMallocAsync(&ptr_, static_cast<size_t>(bytes), stream),
+                       "cudaMallocAsync (expert parallelism)");
     } else {
       host_.resize(static_cast<size_t>(bytes));
       ptr_ = host_.data();
@@ -233,8 +234,10 @@ class Buffer {
 // Host <-> layer-side copies of small arrays; to_host waits for the stream (a host sync).
 void to_device(bool cuda, void* dst, const void* src, int64_t bytes, cudaStream_t stream) {
   if (bytes <= 0) return;
-  if (cuda) cuda::check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
-  else std::memcpy(dst, src, bytes);
+  if (cuda)
+    cuda::check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+  else
+    std::memcpy(dst, src, bytes);
 }
 void to_host(bool cuda, void* dst, const void* src, int64_t bytes, cudaStream_t stream) {
   if (bytes <= 0) return;
@@ -295,7 +298,8 @@ void pack_payload(const FusedMoeParams& p, const Plan& plan, uint8_t* xq, uint8_
   parts[i].pitch = 4 * k;
   for (const Part& part : parts) {
     if (part.pitch == 0) {  // a per-tensor a1 in every row of this rank's tokens
-      if (cuda) cuda::ep_broadcast_f32_rows(static_cast<const float*>(part.src), dst + part.offset, B, T, stream);
+      if (cuda)
+        cuda::ep_broadcast_f32_rows(static_cast<const float*>(part.src), dst + part.offset, B, T, stream);
       else
         for (int64_t t = 0; t < T; ++t) std::memcpy(dst + t * B + part.offset, part.src, 4);
     } else {
@@ -331,7 +335,8 @@ void validate_layer(const FusedMoeParams& p, int world_size, int rank) {
 }  // namespace
 
 Exchange nccl_exchange(void* comm) {
-  return [comm](const std::vector<PeerTransfer>& peers, cudaStream_t stream) { nccl_all_to_all_v(comm, peers, stream); };
+  return
+      [comm](const std::vector<PeerTransfer>& peers, cudaStream_t stream) { nccl_all_to_all_v(comm, peers, stream); };
 }
 
 void validate_low_latency_layer(const LowLatencyLayer& l) {
@@ -389,8 +394,10 @@ void low_latency_layer(const LowLatencyLayer& l, const Exchange& exchange, void*
               plan.parts[j].row_bytes, W * C, stream);
   const FusedMoeParams owner = owner_params(l, plan, s, base);
   const TensorRef rows = rows_tensor(l, plan, base, s.rows);
-  if (cuda) moe_expert_rows(owner, rows, base + s.engine, s.total - s.engine, stream);
-  else moe_expert_rows(owner, rows);
+  if (cuda)
+    moe_expert_rows(owner, rows, base + s.engine, s.total - s.engine, stream);
+  else
+    moe_expert_rows(owner, rows);
 
   // 4. Combine: rows of home h's tokens (block h, C*k rows) back to h.
   uint8_t* back = base + s.back;
@@ -409,8 +416,7 @@ void low_latency_layer(const LowLatencyLayer& l, const Exchange& exchange, void*
     for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < k; ++j) {
         const int64_t e = ids[t * k + j];
-        index[t * k + j] =
-            e >= 0 && e < p.num_experts ? static_cast<int32_t>((e / per_rank) * C * k + t * k + j) : -1;
+        index[t * k + j] = e >= 0 && e < p.num_experts ? static_cast<int32_t>((e / per_rank) * C * k + t * k + j) : -1;
       }
   }
   MoeFinalizeParams f;
@@ -502,8 +508,8 @@ void throughput_layer(const ThroughputLayer& l, const Exchange& exchange, cudaSt
   {
     std::vector<int32_t> received_ids(static_cast<size_t>(N * k));
     to_host(cuda, received_ids.data(), part_data.back(), N * k * 4, stream);
-    const std::vector<int64_t> owned = owner_return_slots(
-        make_tensor(received_ids.data(), DType::kInt32, {N, k}), p.num_experts, W, l.rank);
+    const std::vector<int64_t> owned =
+        owner_return_slots(make_tensor(received_ids.data(), DType::kInt32, {N, k}), p.num_experts, W, l.rank);
     QMOE_CHECK_ARG(static_cast<int64_t>(owned.size()) == give_at[w], "exchange",
                    "an all-to-all that delivers what the peers sent (" + std::to_string(give_at[w]) + " owned slots)",
                    std::to_string(owned.size()) + " owned slots in the received routing");

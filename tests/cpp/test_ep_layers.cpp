@@ -21,8 +21,8 @@ namespace {
 
 using namespace fused_moe_test;
 using qmoe::ep::LowLatencyLayer;
-using qmoe::ep::ThroughputLayer;
 using qmoe::ep::PeerTransfer;
+using qmoe::ep::ThroughputLayer;
 
 // W threads exchanging through host memory: each posts its transfers, then copies what every peer
 // addressed to it; two barriers keep the buffers alive and unchanged while peers read them.
@@ -185,7 +185,8 @@ void check_ep_equals_single(const EpSetup& s, uint64_t seed, bool foreign_ids = 
     ASSERT_EQ(errors[r], "") << "rank " << r;
     EXPECT_EQ(group.calls(r), throughput ? 3 : 2) << "rank " << r << ": (counts,) dispatch, combine";
     qmoe::fused_moe(single[r].p);
-    EXPECT_TRUE(ep[r].out == single[r].out) << "rank " << r << " of " << s.world << ": EP output != fused_moe on its tokens";
+    EXPECT_TRUE(ep[r].out == single[r].out)
+        << "rank " << r << " of " << s.world << ": EP output != fused_moe on its tokens";
   }
 }
 

@@ -21,9 +21,9 @@
 
 namespace qmoe::cuda {
 
-constexpr float kF16BiasedUnit = 16777216.f;  // 2^24: biased fp16 codes count in units of 2^-24
-constexpr uint32_t kF16MinusEight = 0x80088008u;       // two fp16 -8 * 2^-24 (pairs with unit activations)
-constexpr uint32_t kF16MinusEightX16 = 0x80808080u;    // two fp16 -128 * 2^-24 (pairs with activations / 16)
+constexpr float kF16BiasedUnit = 16777216.f;         // 2^24: biased fp16 codes count in units of 2^-24
+constexpr uint32_t kF16MinusEight = 0x80088008u;     // two fp16 -8 * 2^-24 (pairs with unit activations)
+constexpr uint32_t kF16MinusEightX16 = 0x80808080u;  // two fp16 -128 * 2^-24 (pairs with activations / 16)
 
 __device__ __forceinline__ uint32_t lop3_and_xor(uint32_t x, uint32_t mask, uint32_t bits) {
   uint32_t d;
@@ -62,7 +62,7 @@ __device__ __forceinline__ void e4m3x8_to_f16_slots(uint32_t lo, uint32_t hi, ui
   uint32_t even, odd;
   asm("prmt.b32 %0, %1, %2, 0x6240;" : "=r"(even) : "r"(lo), "r"(hi));  // bytes e0 e4 e2 e6
   asm("prmt.b32 %0, %1, %2, 0x7351;" : "=r"(odd) : "r"(lo), "r"(hi));   // bytes e1 e5 e3 e7
-  constexpr uint32_t kSixteenth = 0x2C002C00u;  // fp16 2^-4, twice
+  constexpr uint32_t kSixteenth = 0x2C002C00u;                          // fp16 2^-4, twice
   b04 = e4m3x2_to_f16x2(even);
   b26 = e4m3x2_to_f16x2(even >> 16);
   b15 = hmul2(e4m3x2_to_f16x2(odd), kSixteenth);

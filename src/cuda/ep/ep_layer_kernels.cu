@@ -14,8 +14,8 @@ namespace qmoe::cuda {
 
 namespace {
 
-__global__ void row_index_kernel(const int32_t* ids, int64_t slots, int64_t topk, int64_t num_experts,
-                                 int64_t per_rank, int64_t capacity, int32_t* index) {
+__global__ void row_index_kernel(const int32_t* ids, int64_t slots, int64_t topk, int64_t num_experts, int64_t per_rank,
+                                 int64_t capacity, int32_t* index) {
   const int64_t s = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (s >= slots) return;
   const int64_t e = ids[s];
@@ -55,9 +55,12 @@ void ep_gather_rows(void* dst, int64_t dst_pitch, const void* src, int64_t src_p
     gather_kernel<Word><<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
         static_cast<uint8_t*>(dst), dst_pitch, static_cast<const uint8_t*>(src), src_pitch, index, count, words);
   };
-  if (bits % 16 == 0) launch(uint4{});
-  else if (bits % 4 == 0) launch(uint32_t{});
-  else launch(uint8_t{});
+  if (bits % 16 == 0)
+    launch(uint4{});
+  else if (bits % 4 == 0)
+    launch(uint32_t{});
+  else
+    launch(uint8_t{});
   check_cuda(cudaGetLastError(), "launch of the expert-parallel row gather");
 }
 

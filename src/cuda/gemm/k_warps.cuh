@@ -32,7 +32,8 @@ __device__ __forceinline__ bool meet_k_warps(float (&acc)[MF][NF][4], float* par
 #pragma unroll
       for (int j = 0; j < NF; ++j)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[i][j][c] += park[((k - 1) * kAccs + (i * NF + j) * 4 + c) * MN_THREADS + mn_tid];
+        for (int c = 0; c < 4; ++c)
+          acc[i][j][c] += park[((k - 1) * kAccs + (i * NF + j) * 4 + c) * MN_THREADS + mn_tid];
   return true;
 }
 
