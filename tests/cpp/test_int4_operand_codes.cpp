@@ -1,0 +1,60 @@
+// The bit algebra behind the int4 operands of the W4A8 kernels, checked on the host:
+//   - int4x8_to_biased_f16 (src/cuda/common/int4_to_f16.cuh, the decode tiles): every nibble value in
+//     every position becomes the fp16 (q + 8) * 2^-24, times 16 for the odd positions, in the half the
+//     kernel pairs it with; the bias constants are -8 * 2^-24 and -128 * 2^-24;
+//   - the biased e4m3 codes (the WGMMA kernels' BIASED experiment): byte (q XOR 8) is (q + 8) * 2^-9,
+//     and 0x88 is -8 * 2^-9.
+// The GPU tests check the kernels end to end; these pin the encodings they rely on.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/common/int4_to_f16.cuh"
+#include "qmoe/formats.h"
+
+namespace {
+
+// IEEE fp16 bits -> value (subnormals included; the tests never produce inf or NaN).
+double f16_value(uint16_t h) {
+  const int sign = h >> 15, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  const double magnitude = exponent == 0 ? std::ldexp(mantissa, -24) : std::ldexp(1024 + mantissa, exponent - 25);
+  return sign ? -magnitude : magnitude;
+}
+
+TEST(Int4OperandCodes, BiasedFp16SubnormalsEveryNibbleAndPosition) {
+  uint32_t filler = 0x9E3779B9u;  // other nibbles: arbitrary, they must not leak into the checked half
+  for (int position = 0; position < 8; ++position) {
+    for (int q = -8; q <= 7; ++q) {
+      filler = filler * 1664525u + 1013904223u;
+      const uint32_t x = (filler & ~(0xFu << (4 * position))) | (static_cast<uint32_t>(q & 0xF) << (4 * position));
+      uint32_t u04, u26, u15, u37;
+      qmoe::cuda::int4x8_to_biased_f16(x, u04, u26, u15, u37);
+      // Which register and half holds element `position` (int4_to_f16.cuh): (0, 4), (2, 6), (1, 5), (3, 7).
+      const uint32_t reg = position % 2 == 0 ? (position % 4 == 0 ? u04 : u26) : (position % 4 == 1 ? u15 : u37);
+      const uint16_t half = static_cast<uint16_t>(position < 4 ? reg & 0xFFFF : reg >> 16);
+      const double unit = position % 2 == 0 ? 1.0 : 16.0;
+      EXPECT_EQ(f16_value(half), (q + 8) * unit * std::ldexp(1.0, -24)) << "position " << position << " q " << q;
+    }
+  }
+}
+
+TEST(Int4OperandCodes, BiasConstants) {
+  for (uint16_t half : {static_cast<uint16_t>(qmoe::cuda::kF16MinusEight & 0xFFFF),
+                        static_cast<uint16_t>(qmoe::cuda::kF16MinusEight >> 16)})
+    EXPECT_EQ(f16_value(half), -8 * std::ldexp(1.0, -24));
+  for (uint16_t half : {static_cast<uint16_t>(qmoe::cuda::kF16MinusEightX16 & 0xFFFF),
+                        static_cast<uint16_t>(qmoe::cuda::kF16MinusEightX16 >> 16)})
+    EXPECT_EQ(f16_value(half), -8 * 16 * std::ldexp(1.0, -24));
+  EXPECT_EQ(qmoe::cuda::kF16BiasedUnit, std::ldexp(1.0f, 24));
+  EXPECT_EQ(qmoe::e4m3_to_float(0x88), -8.0f * std::ldexp(1.0f, -9));  // the WGMMA bias weight
+}
+
+TEST(Int4OperandCodes, BiasedE4m3CodesAreExact) {
+  for (int q = -8; q <= 7; ++q) {
+    const uint8_t code = static_cast<uint8_t>((q & 0xF) ^ 8);
+    EXPECT_EQ(qmoe::e4m3_to_float(code), (q + 8) * std::ldexp(1.0f, -9)) << "q " << q;
+  }
+}
+
+}  // namespace
