@@ -137,6 +137,23 @@ void expect_named_error(Run run, const char* name) {
   }
 }
 
+// Rank 0 of 2 with 5 tokens over E = 8 experts, its output poisoned, and an exchange that only counts
+// its calls: the argument-error tests (nothing may be exchanged or written).
+struct RefusalCase {
+  Case cs;
+  RankView v;
+  int calls = 0;
+  qmoe::ep::Exchange counting = [this](const std::vector<PeerTransfer>&, cudaStream_t) { ++calls; };
+  explicit RefusalCase(uint64_t seed) : cs(make_case(config(), seed)), v(rank_view(cs, 2, 0, 0, 5, true)) {}
+  static Config config() {
+    Config cfg;
+    cfg.E = 8;
+    cfg.T = 5;
+    cfg.deterministic = true;
+    return cfg;
+  }
+};
+
 struct EpSetup {
   Config cfg;
   int world = 2;
@@ -311,16 +328,10 @@ TEST(EpThroughputLayer, A1VariantsFourRanksAndEmptyRanks) {
 }
 
 TEST(EpThroughputLayer, ArgumentErrorsBeforeAnyExchange) {
-  Config cfg;
-  cfg.E = 8;
-  cfg.T = 5;
-  cfg.deterministic = true;
-  Case cs = make_case(cfg, 6);
-  RankView v = rank_view(cs, 2, 0, 0, 5, true);
-  int calls = 0;
-  qmoe::ep::Exchange counting = [&](const std::vector<PeerTransfer>&, cudaStream_t) { ++calls; };
+  RefusalCase rc(6);
+  RankView& v = rc.v;
   auto expect_error = [&](ThroughputLayer layer, const char* name) {
-    expect_named_error([&] { qmoe::ep::throughput_layer(layer, counting); }, name);
+    expect_named_error([&] { qmoe::ep::throughput_layer(layer, rc.counting); }, name);
   };
   expect_error({v.p, 0, 0}, "world_size");
   expect_error({v.p, 2, 2}, "rank");
@@ -331,21 +342,15 @@ TEST(EpThroughputLayer, ArgumentErrorsBeforeAnyExchange) {
   bad = {v.p, 2, 0};
   bad.moe.tactic = "decode_m128_n8_k256";
   expect_error(bad, "tactic");
-  EXPECT_EQ(calls, 0);
+  EXPECT_EQ(rc.calls, 0);
   for (uint8_t b : v.out) ASSERT_EQ(b, 0xAA) << "an output byte was written by a refused call";
 }
 
 TEST(EpLowLatencyLayer, ArgumentErrorsNameTheArgumentBeforeAnyExchange) {
-  Config cfg;
-  cfg.E = 8;
-  cfg.T = 5;
-  cfg.deterministic = true;
-  Case cs = make_case(cfg, 5);
-  RankView v = rank_view(cs, 2, 0, 0, 5, true);
-  int calls = 0;
-  qmoe::ep::Exchange counting = [&](const std::vector<PeerTransfer>&, cudaStream_t) { ++calls; };
+  RefusalCase rc(5);
+  RankView& v = rc.v;
   auto expect_error = [&](LowLatencyLayer layer, const char* name) {
-    expect_named_error([&] { qmoe::ep::low_latency_layer(layer, counting); }, name);
+    expect_named_error([&] { qmoe::ep::low_latency_layer(layer, rc.counting); }, name);
   };
   expect_error({v.p, 2, 0, 4}, "max_tokens_per_rank");  // T = 5 > C = 4
   expect_error({v.p, 2, 0, 0}, "max_tokens_per_rank");
@@ -365,7 +370,7 @@ TEST(EpLowLatencyLayer, ArgumentErrorsNameTheArgumentBeforeAnyExchange) {
   bad.moe.fc2_input_scale.reset();
   expect_error(bad, "fc2_input_scale");
   EXPECT_THROW(qmoe::ep::low_latency_layer(LowLatencyLayer{v.p, 2, 0, 8}, qmoe::ep::Exchange{}), qmoe::Error);
-  EXPECT_EQ(calls, 0);
+  EXPECT_EQ(rc.calls, 0);
   for (uint8_t b : v.out) ASSERT_EQ(b, 0xAA) << "an output byte was written by a refused call";
   EXPECT_EQ(qmoe::ep::low_latency_layer_workspace_size(LowLatencyLayer{v.p, 2, 0, 8}), 0);  // CPU tensors
 }
