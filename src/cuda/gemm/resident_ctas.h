@@ -36,4 +36,31 @@ int resident_ctas(int threads, int smem_bytes, int device, const char* what) {
   return per_sm * (limit > 0 && limit < sms ? limit : sms);
 }
 
+// SMs a persistent grid may use on a device: its SM count (queried once, cached), capped by this
+// thread's sm_limit().
+inline int usable_sms(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices] = {};
+  QMOE_CHECK_ARG(device >= 0 && device < kMaxDevices, "device", "a CUDA device index below 64", std::to_string(device));
+  int sms = cache[device].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    cache[device].store(sms, std::memory_order_relaxed);
+  }
+  const int limit = sm_limit();
+  return limit > 0 && limit < sms ? limit : sms;
+}
+
+// The n8 decode tiles (128 weight rows x 8 tokens) come in two pipeline shapes with the same
+// arithmetic (same bits): 4 stages x 2 CTAs per SM (more copies in flight per CTA) and 3 stages x 3
+// CTAs per SM (more CTAs in flight per SM). Measured on H200 (bench/results/2026-11-30_s4d_* and
+// 2026-11-30_s5a_*): the 3-CTA shape is 5-12% faster at T = 8-64 and up to 28% slower at T = 1, where
+// the grid is small. Rule: the 3-CTA shape when the tile bound covers two waves of it (6 x SMs). The
+// bound: every token-tile of 8 rows, plus one partial tile for every expert hit.
+inline bool n8_tiles_fill_three_per_sm(int64_t rows, int64_t num_experts, int64_t n, int device) {
+  const int64_t hit = rows < num_experts ? rows : num_experts;
+  const int64_t tiles = (rows / 8 + hit) * ((n + 127) / 128);
+  return tiles >= 6 * static_cast<int64_t>(usable_sms(device));
+}
+
 }  // namespace qmoe::cuda

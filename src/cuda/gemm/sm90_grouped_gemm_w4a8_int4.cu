@@ -110,7 +110,9 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   // Measured on H200 (A/B runs of tests/gpu/w4a8_gemm_check.cu, bench/results/2026-11-30_s4d_*):
   //   decode n8/n16: 2 M-warps of 64 rows (4 fragments: the activation unpack and the bias MMA are
   //                  paid once per 64 rows) x 2 K warps, 2 groups per stage, 4 stages, 2 CTAs per SM;
-  //                  10-19% faster than 4 M-warps of 32 rows. 5 stages, or 4 groups per stage, slower.
+  //                  (n8 with many tiles: 3 stages, 3 CTAs per SM, n8_tiles_fill_three_per_sm); 10-19%
+  //                  faster than 4 M-warps of 32 rows. 5 stages, 4 groups per stage, or n16 with 3 stages
+  //                  x 3 CTAs: slower.
   //   decode m64 n8: for grids below one CTA per SM: 2 M-warps of 32 rows x 2 K warps, 4 groups per
   //                  stage (256-byte runs of each weight row), 4 stages: Mixtral GEMM2 T = 1 64 -> 44 us.
   //   decode n32   : 64 rows x 32 tokens, 4 groups per stage, 3 stages (not chosen by the
@@ -118,7 +120,10 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   //   prefill n64  : 2 x 2 warps of 64 rows x 32 tokens (converted weights serve 32 columns),
   //                  2 groups per stage, 3 stages, one CTA per SM (not chosen by the heuristic).
   if (is(Family::kDecode, 128, 8, 256)) {
-    launch<2, 1, 4, 1, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
+    if (n8_tiles_fill_three_per_sm(rows, params.num_experts, params.n, device))
+      launch<2, 1, 4, 1, 2, 3, 2, 3>(params, fp32_out, rows, device, stream);
+    else
+      launch<2, 1, 4, 1, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 16, 256)) {
     launch<2, 1, 4, 2, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 64, 8, 512)) {

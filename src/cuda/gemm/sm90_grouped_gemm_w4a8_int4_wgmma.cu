@@ -335,7 +335,9 @@ struct Shape {
   static constexpr int kAcc = TILE_N / 2;
   static constexpr int kStageA = TILE_N * kGroup;
   static constexpr int kStageBytes = kStageA + kStageW + kStageS;
-  static constexpr int kStages = TILE_N == 128 ? 8 : 12;  // ~200 KB of stages either way
+  // 128-token tiles: 6 stages (H200, bench/results/2026-11-30_s5a_*: 1-4% faster than 8 at T = 4096, the
+  // same at 256-1024); 64-token tiles: 12.
+  static constexpr int kStages = TILE_N == 128 ? 6 : 12;
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
   static constexpr int kBarrierBytes = 2 * kStages * 8;
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes;
