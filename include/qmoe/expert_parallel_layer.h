@@ -18,6 +18,16 @@
 //      with the routing weights, in slot order: the result equals fused_moe(deterministic = true)
 //      over all experts on this rank's tokens, bit for bit, when every owner runs the same tactic.
 //
+// moe.deterministic = false selects the reduced combine (fewer bytes: one row per token and owner
+// instead of one per slot, k / W times less for top-k routing spread over W ranks): the routing
+// weights travel with the payload, each owner runs fused_moe over the received tokens with its local
+// experts (its own finalize, routed_scaling_factor included) into one partial row per token (zero when
+// it owns no slot of it), the combine returns block h of those partial rows (C rows, the output's
+// dtype) to rank h, and home sums the W partials in rank order in fp32, rounded once. Run-to-run
+// reproducible on a fixed tactic when the owners' finalize is (it is fused, atomic, on the GPU); not
+// bitwise equal to one GPU (the slots are summed in two levels, each partial rounded to the output
+// dtype): within the fused finalize's tolerance.
+//
 // Every step only enqueues work on `stream` (CUDA tensors): no allocation (the caller's workspace),
 // no host sync, CUDA-graph capturable when the Exchange is (NCCL send/recv is). CPU tensors run the
 // reference engine with the same data movement (tests use an in-process Exchange).
@@ -43,8 +53,9 @@ Exchange nccl_exchange(void* comm);
 struct LowLatencyLayer {
   // This rank's layer: x, topk_ids [T, k], topk_weights, the scales of x, output [T, H]; the weights
   // of its E/W local experts with num_local_experts = E/W and local_expert_offset = rank*E/W;
-  // deterministic must be true (the finalize is the fixed-order one). w4a8_int4 needs a static
-  // fc2_input_scale (a dynamic a2 would differ per owner).
+  // deterministic = true: per-slot combine and the fixed-order finalize at home (bitwise == one GPU);
+  // false: the reduced combine (above). w4a8_int4 needs a static fc2_input_scale (a dynamic a2 would
+  // differ per owner).
   FusedMoeParams moe;
   int world_size = 1;
   int rank = 0;
@@ -65,7 +76,9 @@ void low_latency_layer(const LowLatencyLayer& layer, const Exchange& exchange, v
 // plan of include/qmoe/expert_parallel.h, computed on the host. The host waits three times (for the
 // routing, for the exchanged counts, for the received routing), so this mode is not graph-capturable;
 // its buffers are sized by the counts and allocated per call (stream-ordered cudaMallocAsync / free).
-// Same result as the low-latency layer and as fused_moe(deterministic = true), bit for bit.
+// Same result as the low-latency layer and as fused_moe(deterministic = true), bit for bit; with
+// deterministic = false the reduced combine as above (partial rows return in receive order; no host
+// wait for the received routing: two host waits).
 struct ThroughputLayer {
   FusedMoeParams moe;  // as LowLatencyLayer::moe
   int world_size = 1;

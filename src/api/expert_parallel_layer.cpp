@@ -4,6 +4,9 @@
 // first, then variable-size exchanges of only what a peer needs. Data movement is copies (2D memcpy /
 // memset on CUDA, memcpy on the CPU) plus three tiny kernels (src/cuda/ep/ep_layer_kernels.cu): the
 // low-latency row index, the broadcast of a per-tensor a1 into the payload rows, the row gather.
+// With deterministic = false the owners finalize their own slots and the combine carries one partial
+// row per (token, owner) instead of one row per slot (the reduced combine; fewer bytes, not bitwise
+// equal to one GPU: the header says how).
 #include "qmoe/expert_parallel_layer.h"
 
 #include <cstring>
@@ -17,6 +20,7 @@
 #include "qmoe/expert_parallel.h"
 #include "qmoe/formats.h"
 #include "qmoe/tactics.h"
+#include "reference/f16_bits.h"
 
 namespace qmoe::ep {
 
@@ -40,8 +44,13 @@ struct Part {
 
 struct Plan {
   int64_t tokens, topk, hidden, capacity, world, row_bytes;
-  std::vector<Part> parts;  // x, then its scales (w4a8_int4: a1 per row), per_token_scale, topk_ids (last)
+  // x, then its scales (w4a8_int4: a1 per row), per_token_scale, topk_weights (reduced combine only),
+  // topk_ids (last)
+  std::vector<Part> parts;
   bool quantize_x = false, dynamic_a1 = false;  // w4a8_int4 with a bf16 x: quantized at home
+  bool reduce = false;        // deterministic == false: owners finalize, partial rows come back
+  DType partial = DType::kBFloat16;  // the partial rows' dtype: the output's
+  int64_t partial_bytes = 0;  // bytes of one partial row (H elements)
 };
 
 Part part_of(const TensorRef& t, int64_t tokens) {
@@ -66,6 +75,10 @@ Plan make_plan(const FusedMoeParams& p, int world_size, int64_t capacity) {
     if (p.x_scale) plan.parts.push_back(part_of(*p.x_scale, plan.tokens));
     if (p.per_token_scale) plan.parts.push_back(Part{DType::kFloat32, 1, 4});
   }
+  plan.reduce = !p.deterministic;
+  plan.partial = p.output.dtype;
+  plan.partial_bytes = plan.hidden * dtype_size(p.output.dtype);
+  if (plan.reduce) plan.parts.push_back(Part{DType::kFloat32, plan.topk, 4 * plan.topk});
   plan.parts.push_back(Part{DType::kInt32, plan.topk, 4 * plan.topk});
   int64_t offset = 0;
   for (Part& part : plan.parts) {
@@ -83,7 +96,8 @@ struct Spans {
 };
 
 // The owner's engine call over `received` tokens whose payload parts lie at part_data[i] ([received,
-// row_elems] each); `weights` holds an unread [received, k] f32 topk_weights (checked, never read).
+// row_elems] each). topk_weights: the received part with the reduced combine, else `weights`, an
+// unread [received, k] f32 tensor (checked, never read by moe_expert_rows).
 FusedMoeParams owner_params_at(const FusedMoeParams& moe, const Plan& plan, int64_t received,
                                const std::vector<uint8_t*>& part_data, void* weights) {
   const Device device = moe.x.device;
@@ -111,8 +125,13 @@ FusedMoeParams owner_params_at(const FusedMoeParams& moe, const Plan& plan, int6
       ++i;
     }
   }
+  if (plan.reduce) {
+    weights = part_data[i];
+    ++i;
+  }
   o.topk_ids = tensor(part_data[i], DType::kInt32, plan.topk);
   o.topk_weights = tensor(weights, DType::kFloat32, plan.topk);
+  o.aux_stream = nullptr;  // the owner's output is the layer's scratch: zeroed on the layer's stream
   return o;
 }
 
@@ -124,9 +143,69 @@ FusedMoeParams owner_params(const LowLatencyLayer& l, const Plan& plan, const Sp
   return owner_params_at(l.moe, plan, plan.world * plan.capacity, parts, base + s.weights);
 }
 
+// The owner's result: one bf16 row per slot [W*C*k, H], or with the reduced combine one partial row per
+// token [W*C, H] (the owner's fused_moe output).
 TensorRef rows_tensor(const LowLatencyLayer& l, const Plan& plan, uint8_t* base, int64_t offset) {
-  return make_tensor(base + offset, DType::kBFloat16, {plan.world * plan.capacity * plan.topk, plan.hidden},
-                     l.moe.x.device, l.moe.x.device_index);
+  const int64_t received = plan.world * plan.capacity;
+  if (plan.reduce)
+    return make_tensor(base + offset, plan.partial, {received, plan.hidden}, l.moe.x.device, l.moe.x.device_index);
+  return make_tensor(base + offset, DType::kBFloat16, {received * plan.topk, plan.hidden}, l.moe.x.device,
+                     l.moe.x.device_index);
+}
+
+// The owner's engine: per-slot rows, or its own finalize into the partial rows (reduced combine).
+void run_owner(FusedMoeParams owner, const Plan& plan, const TensorRef& rows, void* workspace, int64_t bytes,
+               cudaStream_t stream) {
+  const bool cuda = owner.x.is_cuda();
+  if (plan.reduce) {
+    owner.output = rows;
+    if (cuda)
+      fused_moe(owner, workspace, bytes, stream);
+    else
+      fused_moe(owner);
+  } else if (cuda) {
+    moe_expert_rows(owner, rows, workspace, bytes, stream);
+  } else {
+    moe_expert_rows(owner, rows);
+  }
+}
+
+int64_t owner_workspace_size(FusedMoeParams owner, const Plan& plan, const TensorRef& rows) {
+  if (!plan.reduce) return moe_expert_rows_workspace_size(owner, rows);
+  owner.output = rows;
+  return fused_moe_workspace_size(owner);
+}
+
+// Home, reduced combine: output[t] = sum over d in rank order of partials[row(d, t)] in fp32, rounded
+// once. row(d, t) = index[d*T + t] (-1: none), or d*C + t without an index.
+void sum_partials(const Plan& plan, const uint8_t* partials, const int32_t* index, const TensorRef& output,
+                  cudaStream_t stream) {
+  if (output.is_cuda()) {
+    cuda::ep_sum_partials(partials, index, plan.world, plan.capacity, output, stream);
+    return;
+  }
+  const int64_t T = output.size(0), H = output.size(1), W = plan.world;
+  auto load = [&](int64_t row, int64_t c) {
+    const uint8_t* at = partials + row * plan.partial_bytes;
+    switch (output.dtype) {
+      case DType::kBFloat16: return bf16_to_float(reinterpret_cast<const uint16_t*>(at)[c]);
+      case DType::kFloat16: return half_bits_to_float(reinterpret_cast<const uint16_t*>(at)[c]);
+      default: return reinterpret_cast<const float*>(at)[c];
+    }
+  };
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < H; ++c) {
+      float acc = 0.0f;
+      for (int64_t d = 0; d < W; ++d) {
+        const int64_t row = index != nullptr ? index[d * T + t] : d * plan.capacity + t;
+        if (row >= 0) acc += load(row, c);
+      }
+      switch (output.dtype) {
+        case DType::kBFloat16: output.ptr<uint16_t>()[t * H + c] = float_to_bf16(acc); break;
+        case DType::kFloat16: output.ptr<uint16_t>()[t * H + c] = float_to_half_bits(acc); break;
+        default: output.ptr<float>()[t * H + c] = acc; break;
+      }
+    }
 }
 
 Spans make_spans(const LowLatencyLayer& l, const Plan& plan) {
@@ -148,15 +227,16 @@ Spans make_spans(const LowLatencyLayer& l, const Plan& plan) {
     parts += round_up(received * part.row_bytes, kSpanAlign);
   }
   s.received = take(parts);
-  s.weights = take(received * plan.topk * 4);
-  s.rows = take(received * plan.topk * plan.hidden * 2);
-  s.back = take(received * plan.topk * plan.hidden * 2);
-  s.row_index = take(plan.tokens * plan.topk * 4);
+  const int64_t row_bytes = plan.reduce ? plan.partial_bytes : plan.topk * plan.hidden * 2;
+  s.weights = take(plan.reduce ? 0 : received * plan.topk * 4);
+  s.rows = take(received * row_bytes);
+  s.back = take(received * row_bytes);
+  s.row_index = take(plan.reduce ? 0 : plan.tokens * plan.topk * 4);
   s.engine = at;
   s.total = at;
   if (l.moe.x.is_cuda()) {
     uint8_t* fake = reinterpret_cast<uint8_t*>(uintptr_t{1} << 12);  // sizes only: never dereferenced
-    s.total += moe_expert_rows_workspace_size(owner_params(l, plan, s, fake), rows_tensor(l, plan, fake, s.rows));
+    s.total += owner_workspace_size(owner_params(l, plan, s, fake), plan, rows_tensor(l, plan, fake, s.rows));
   }
   return s;
 }
@@ -294,6 +374,11 @@ void pack_payload(const FusedMoeParams& p, const Plan& plan, uint8_t* xq, uint8_
       ++i;
     }
   }
+  if (plan.reduce) {  // the owners apply the routing weights
+    parts[i].src = p.topk_weights.data;
+    parts[i].pitch = 4 * k;
+    ++i;
+  }
   parts[i].src = p.topk_ids.data;
   parts[i].pitch = 4 * k;
   for (const Part& part : parts) {
@@ -308,6 +393,40 @@ void pack_payload(const FusedMoeParams& p, const Plan& plan, uint8_t* xq, uint8_
   }
 }
 
+// The throughput layer's steps 3-5 with the reduced combine: the owner finalizes its slots of the N
+// received tokens into one partial row each and returns them in receive order (no host wait for the
+// received routing); home row i of `back` is the partial of token send_tokens[i] from the rank whose
+// group holds i, and the partials are summed in rank order.
+void combine_reduced(const ThroughputLayer& l, const Plan& plan, int64_t N, const std::vector<uint8_t*>& part_data,
+                     const DispatchPlan& dp, const std::vector<int64_t>& recv_tokens, const std::vector<int64_t>& recv_at,
+                     const std::vector<int64_t>& send_at, const Exchange& exchange, cudaStream_t stream) {
+  const FusedMoeParams& p = l.moe;
+  const bool cuda = p.x.is_cuda();
+  const int64_t T = plan.tokens, W = plan.world, R = plan.partial_bytes;
+  const size_t w = static_cast<size_t>(W);
+  Buffer rows(cuda, N * R, stream);
+  if (N > 0) {
+    const FusedMoeParams owner = owner_params_at(p, plan, N, part_data, nullptr);
+    const TensorRef rows_ref = make_tensor(rows.data(), plan.partial, {N, plan.hidden}, p.x.device, p.x.device_index);
+    const int64_t bytes = cuda ? owner_workspace_size(owner, plan, rows_ref) : 0;
+    Buffer engine(cuda, bytes, stream);
+    run_owner(owner, plan, rows_ref, engine.data(), bytes, stream);
+  }
+  Buffer back(cuda, send_at[w] * R, stream);
+  std::vector<PeerTransfer> peers(w);
+  for (size_t d = 0; d < w; ++d)
+    peers[d] = PeerTransfer{rows.data() + recv_at[d] * R, recv_tokens[d] * R, back.data() + send_at[d] * R,
+                            dp.send_counts[d] * R};
+  exchange(peers, stream);
+  std::vector<int32_t> index(static_cast<size_t>(W * T), -1);
+  for (size_t d = 0; d < w; ++d)
+    for (int64_t i = send_at[d]; i < send_at[d + 1]; ++i)
+      index[d * T + dp.send_tokens[static_cast<size_t>(i)]] = static_cast<int32_t>(i);
+  Buffer index_buffer(cuda, W * T * 4, stream);
+  to_device(cuda, index_buffer.data(), index.data(), W * T * 4, stream);
+  sum_partials(plan, back.data(), reinterpret_cast<const int32_t*>(index_buffer.data()), p.output, stream);
+}
+
 // The checks both layers share (everything but the low-latency capacity), before any exchange.
 void validate_layer(const FusedMoeParams& p, int world_size, int rank) {
   QMOE_CHECK_ARG(world_size >= 1, "world_size", "at least 1 rank", std::to_string(world_size));
@@ -319,7 +438,6 @@ void validate_layer(const FusedMoeParams& p, int world_size, int rank) {
   QMOE_CHECK_ARG(p.local_expert_offset == rank * per_rank, "local_expert_offset",
                  "rank * num_experts / world_size = " + std::to_string(rank * per_rank),
                  std::to_string(p.local_expert_offset));
-  QMOE_CHECK_ARG(p.deterministic, "deterministic", "true (the layer finalizes in fixed order at home)", "false");
   QMOE_CHECK_ARG(p.quant_mode != QuantMode::kW4A8Int4 || p.fc2_input_scale.has_value(), "fc2_input_scale",
                  "a static a2 (a dynamic one would differ between the owners)", "None");
   validate_fused_moe(p);
@@ -388,22 +506,23 @@ void low_latency_layer(const LowLatencyLayer& l, const Exchange& exchange, void*
   for (int64_t d = 0; d < W; ++d) peers[d] = PeerTransfer{send, C * B, recv + d * C * B, C * B};
   exchange(peers, stream);
 
-  // 3. Owner: the received rows as the engine's tensors, then one bf16 row per owned slot.
+  // 3. Owner: the received rows as the engine's tensors, then one bf16 row per owned slot (or one
+  //    partial row per token: its own slots finalized).
   for (size_t j = 0; j < plan.parts.size(); ++j)
     copy_rows(cuda, base + s.received + s.received_part[j], plan.parts[j].row_bytes, recv + plan.parts[j].offset, B,
               plan.parts[j].row_bytes, W * C, stream);
-  const FusedMoeParams owner = owner_params(l, plan, s, base);
-  const TensorRef rows = rows_tensor(l, plan, base, s.rows);
-  if (cuda)
-    moe_expert_rows(owner, rows, base + s.engine, s.total - s.engine, stream);
-  else
-    moe_expert_rows(owner, rows);
+  run_owner(owner_params(l, plan, s, base), plan, rows_tensor(l, plan, base, s.rows), base + s.engine,
+            s.total - s.engine, stream);
 
-  // 4. Combine: rows of home h's tokens (block h, C*k rows) back to h.
+  // 4. Combine: rows of home h's tokens (block h: C*k slot rows, or C partial rows) back to h.
   uint8_t* back = base + s.back;
-  const int64_t block = C * k * H * 2;
+  const int64_t block = plan.reduce ? C * plan.partial_bytes : C * k * H * 2;
   for (int64_t h = 0; h < W; ++h) peers[h] = PeerTransfer{base + s.rows + h * block, block, back + h * block, block};
   exchange(peers, stream);
+  if (plan.reduce) {  // 5. Home: the partial rows of token t sit at d*C + t
+    sum_partials(plan, back, nullptr, p.output, stream);
+    return;
+  }
 
   // 5. Home: slot (t, j) owned by d sits at row d*C*k + t*k + j of `back`.
   const TensorRef row_index = ref(s.row_index, DType::kInt32, {T * k});
@@ -489,17 +608,17 @@ void throughput_layer(const ThroughputLayer& l, const Exchange& exchange, cudaSt
     part_data.push_back(parts.back()->data());
     copy_rows(cuda, part_data.back(), part.row_bytes, recv.data() + part.offset, B, part.row_bytes, N, stream);
   }
+  if (plan.reduce) {  // 3-5 with the reduced combine
+    combine_reduced(l, plan, N, part_data, dp, recv_tokens, recv_at, send_at, exchange, stream);
+    return;
+  }
   Buffer weights(cuda, N * k * 4, stream), rows(cuda, N * k * H * 2, stream);
   if (N > 0) {
     const FusedMoeParams owner = owner_params_at(p, plan, N, part_data, weights.data());
     const TensorRef rows_ref = make_tensor(rows.data(), DType::kBFloat16, {N * k, H}, p.x.device, p.x.device_index);
-    if (cuda) {
-      const int64_t bytes = moe_expert_rows_workspace_size(owner, rows_ref);
-      Buffer engine(cuda, bytes, stream);
-      moe_expert_rows(owner, rows_ref, engine.data(), bytes, stream);
-    } else {
-      moe_expert_rows(owner, rows_ref);
-    }
+    const int64_t bytes = cuda ? owner_workspace_size(owner, plan, rows_ref) : 0;
+    Buffer engine(cuda, bytes, stream);
+    run_owner(owner, plan, rows_ref, engine.data(), bytes, stream);
   }
 
   // 4. Combine: the owned slots' rows back to their homes, grouped by home in receive order (sync 3:

@@ -45,6 +45,11 @@ void ep_broadcast_f32_rows(const float* value, void* rows, int64_t pitch, int64_
 // dst row i (dst_pitch bytes apart) = src row index[i] (src_pitch apart), `width` bytes, count rows.
 void ep_gather_rows(void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch, const int32_t* index,
                     int64_t count, int64_t width, cudaStream_t stream);
+// The reduced combine: output[t] = sum over d = 0..W-1, in that order, of the partial row of token t
+// from rank d, in fp32, rounded once to the output dtype. The row: partials[index[d*T + t]] (-1: none),
+// or with index == nullptr partials[d*C + t]. output and partials: [.., H] of output.dtype.
+void ep_sum_partials(const void* partials, const int32_t* index, int64_t world, int64_t capacity, TensorRef output,
+                     cudaStream_t stream);
 
 // Throws kRuntime qmoe::Error with the CUDA error string when err != cudaSuccess.
 void check_cuda(cudaError_t err, const char* what);

@@ -31,6 +31,9 @@ void ep_broadcast_f32_rows(const float*, void*, int64_t, int64_t, cudaStream_t) 
 void ep_gather_rows(void*, int64_t, const void*, int64_t, const int32_t*, int64_t, int64_t, cudaStream_t) {
   not_built("throughput_layer");
 }
+void ep_sum_partials(const void*, const int32_t*, int64_t, int64_t, TensorRef, cudaStream_t) {
+  not_built("low_latency_layer");
+}
 void check_cuda(cudaError_t err, const char* what) {}
 
 }  // namespace qmoe::cuda

@@ -62,6 +62,7 @@
 #include "qmoe/formats.h"
 #include "qmoe/fused_moe.h"
 #include "reference/activations.h"
+#include "reference/f16_bits.h"
 
 namespace qmoe::reference {
 
@@ -126,32 +127,6 @@ float amax_nan(const float* v, int64_t n) {
 float dynamic_fp8_scale(float amax) {
   const float s = amax / 448.0f;
   return s == 0.0f ? 1.0f : s;
-}
-
-uint16_t float_to_half_bits(float x) {
-  const uint32_t u = float_bits(x);
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7e00u;   // NaN
-  if (a >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf
-  if (a >= 0x38800000u) {                       // normal half: RNE on the 13 dropped bits
-    const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);
-    return static_cast<uint16_t>(sign | ((r >> 13) - (112u << 10)));
-  }
-  // Subnormal half: rne(|x| * 2^24); the scaling is exact.
-  const float q = std::nearbyint(bits_float(a) * 16777216.0f);
-  return static_cast<uint16_t>(sign | static_cast<uint16_t>(q));
-}
-float half_bits_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t man = h & 0x3ffu;
-  if (exp == 0x1f) return bits_float(sign | 0x7f800000u | (man << 13));
-  if (exp == 0) {
-    const float mag = static_cast<float>(man) * 5.9604644775390625e-8f;  // 2^-24
-    return sign ? -mag : mag;
-  }
-  return bits_float(sign | ((exp + 112u) << 23) | (man << 13));
 }
 
 float round_to(DType dtype, float v) {

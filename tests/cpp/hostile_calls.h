@@ -352,8 +352,9 @@ struct ExpertRowsCall {
 };
 
 // ---- the EP layers (expert_parallel_layer.h) on one rank: the fused call's tensors with all experts
-// local, deterministic, an in-memory exchange (a rank sending to itself); seeds with bit 0 set run the
-// throughput layer, the others the low-latency one with capacity T + 1.
+// local, an in-memory exchange (a rank sending to itself); seeds with bit 0 set run the throughput
+// layer, the others the low-latency one with capacity T + 1; seeds with bit 1 set the reduced combine
+// (deterministic = false), the others the per-slot one.
 struct EpLayerCall {
   fused_moe_test::Case cs;
   qmoe::ep::LowLatencyLayer layer;
@@ -362,7 +363,7 @@ struct EpLayerCall {
     fused_moe_test::Config c = FusedCall::config(seed);
     c.El = c.E;
     c.offset = 0;
-    c.deterministic = true;
+    c.deterministic = (seed & 2) == 0;
     c.a2_dynamic = false;
     return c;
   }
@@ -379,7 +380,7 @@ struct EpLayerCall {
     t.label = std::string(throughput ? "ep_throughput_layer[" : "ep_low_latency_layer[") +
               qmoe::quant_mode_name(cs.c.mode) + "]";
     FusedCall::add_fused(t, cs, layer.moe);
-    for (const char* name : {"world_size", "rank", "deterministic"}) t.scalars.push_back(name);
+    for (const char* name : {"world_size", "rank"}) t.scalars.push_back(name);
     if (!throughput) t.scalars.push_back("max_tokens_per_rank");
     t.run = [this] {
       qmoe::ep::Exchange self = [](const std::vector<qmoe::ep::PeerTransfer>& peers, cudaStream_t) {
@@ -394,7 +395,6 @@ struct EpLayerCall {
       if (name == "world_size") layer.world_size = rng.below(2) ? 0 : -3;
       if (name == "rank") layer.rank = rng.below(2) ? -1 : 1;
       if (name == "max_tokens_per_rank") layer.max_tokens_per_rank = rng.below(2) ? 0 : layer.moe.topk_ids.size(0) - 1;
-      if (name == "deterministic") layer.moe.deterministic = false;
     };
     return t;
   }

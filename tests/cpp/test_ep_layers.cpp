@@ -3,10 +3,13 @@
 // W ranks as W threads joined by an in-process Exchange (the NCCL one runs in the 2-GPU script). Each
 // rank holds E/W experts and its own tokens; its output must equal fused_moe(deterministic = true) over
 // all experts on its tokens, bit for bit: every quant mode, a1 static / per token / dynamic, ranks with
-// no token, tokens whose every slot lives on another rank, invalid ids. Plus the argument checks, each
-// raised before any exchange.
+// no token, tokens whose every slot lives on another rank, invalid ids. With deterministic = false (the
+// reduced combine) the output must equal, bit for bit, the rank-order sum of the W partial outputs
+// fused_moe(its tokens, owner d's experts) rounded to the output dtype, and fused_moe over all experts
+// within the fused finalize's tolerance. Plus the argument checks, each raised before any exchange.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -16,6 +19,8 @@
 
 #include "fused_moe_case.h"
 #include "qmoe/expert_parallel_layer.h"
+#include "qmoe/formats.h"
+#include "reference/f16_bits.h"
 
 namespace {
 
@@ -207,6 +212,133 @@ void check_ep_equals_single(const EpSetup& s, uint64_t seed, bool foreign_ids = 
   }
 }
 
+// Element i of an output buffer of dtype `dtype` as float, and the rounding of a float to it.
+float element(const std::vector<uint8_t>& out, DType dtype, size_t i) {
+  uint16_t h;
+  float f;
+  switch (dtype) {
+    case DType::kBFloat16: std::memcpy(&h, out.data() + 2 * i, 2); return qmoe::bf16_to_float(h);
+    case DType::kFloat16: std::memcpy(&h, out.data() + 2 * i, 2); return qmoe::half_bits_to_float(h);
+    default: std::memcpy(&f, out.data() + 4 * i, 4); return f;
+  }
+}
+float round_to(DType dtype, float v) {
+  switch (dtype) {
+    case DType::kBFloat16: return qmoe::round_bf16(v);
+    case DType::kFloat16: return qmoe::half_bits_to_float(qmoe::float_to_half_bits(v));
+    default: return v;
+  }
+}
+
+// The reduced combine (deterministic = false) on `world` threads: each rank's output must be, bit for
+// bit, the sum over owners d in rank order of fused_moe(its tokens, d's experts) (each rounded to the
+// output dtype, summed in fp32, rounded once), and within 1e-2 relative RMS of fused_moe over all
+// experts.
+void check_ep_reduced(const EpSetup& s, uint64_t seed, bool throughput) {
+  Config cfg = s.cfg;
+  int64_t total = 0;
+  for (int64_t t : s.tokens) total += t;
+  cfg.T = total;
+  cfg.deterministic = false;
+  Case cs = make_case(cfg, seed);
+  for (size_t i = 0; i < cs.ids.size(); i += 5) cs.ids[i] = i % 2 ? -1 : static_cast<int32_t>(cfg.E);  // dropped
+  LoopbackGroup group(s.world);
+  std::vector<RankView> ep(static_cast<size_t>(s.world));
+  std::vector<int64_t> first(static_cast<size_t>(s.world), 0);
+  for (int r = 0; r < s.world; ++r) {
+    if (r > 0) first[r] = first[r - 1] + s.tokens[r - 1];
+    ep[r] = rank_view(cs, s.world, r, first[r], s.tokens[r], true);
+    ep[r].p.deterministic = false;
+  }
+  std::vector<std::string> errors(static_cast<size_t>(s.world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < s.world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        if (throughput)
+          qmoe::ep::throughput_layer(ThroughputLayer{ep[r].p, s.world, r}, group.exchange(r));
+        else
+          qmoe::ep::low_latency_layer(LowLatencyLayer{ep[r].p, s.world, r, s.capacity}, group.exchange(r));
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        group.abort();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const DType dtype = cfg.out;
+  for (int r = 0; r < s.world; ++r) {
+    ASSERT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(group.calls(r), throughput ? 3 : 2) << "rank " << r;
+    const size_t n = static_cast<size_t>(s.tokens[r] * cfg.H);
+    std::vector<float> expected(n, 0.0f);
+    for (int d = 0; d < s.world; ++d) {  // owner d's partial of rank r's tokens
+      RankView part = rank_view(cs, s.world, d, first[r], s.tokens[r], true);
+      part.p.deterministic = false;
+      qmoe::fused_moe(part.p);
+      for (size_t i = 0; i < n; ++i) expected[i] += element(part.out, dtype, i);
+    }
+    RankView single = rank_view(cs, s.world, r, first[r], s.tokens[r], false);
+    single.p.deterministic = false;
+    qmoe::fused_moe(single.p);
+    double err = 0.0, ref = 0.0;
+    for (size_t i = 0; i < n; ++i) {
+      const float got = element(ep[r].out, dtype, i);
+      ASSERT_EQ(qmoe::float_bits(got), qmoe::float_bits(round_to(dtype, expected[i])))
+          << "rank " << r << " element " << i << ": not the rank-order sum of the owners' partials";
+      const double want = element(single.out, dtype, i);
+      err += (got - want) * (got - want);
+      ref += want * want;
+    }
+    if (n == 0) continue;  // a rank with no token
+    ASSERT_GT(ref, 0.0) << "rank " << r << ": an all-zero reference checks nothing";
+    EXPECT_LE(std::sqrt(err / ref), 1e-2) << "rank " << r << ": far from fused_moe over all experts";
+  }
+}
+
+TEST(EpReducedCombine, LowLatencyEveryModeAndOutputDtype) {
+  const QuantMode modes[] = {QuantMode::kW4A8Int4, QuantMode::kW4A16Int4, QuantMode::kW4A16, QuantMode::kW4A4,
+                             QuantMode::kW4A8Mx};
+  const DType outs[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+  uint64_t seed = 500;
+  for (QuantMode mode : modes) {
+    for (DType out : outs) {
+      EpSetup s;
+      s.cfg.mode = mode;
+      s.cfg.E = 8;
+      s.cfg.k = 3;
+      s.cfg.rsf = 1.5f;
+      s.cfg.out = out;
+      s.tokens = {5, 7};
+      SCOPED_TRACE(std::string(qmoe::quant_mode_name(mode)) + " out " + qmoe::dtype_name(out));
+      check_ep_reduced(s, seed++, false);
+    }
+  }
+}
+
+TEST(EpReducedCombine, ThroughputFourRanksEmptyRankTopOneAndA1Variants) {
+  EpSetup s;
+  s.world = 4;
+  s.cfg.E = 8;
+  s.cfg.k = 3;
+  s.cfg.out = DType::kBFloat16;
+  s.capacity = 6;
+  s.tokens = {6, 0, 1, 4};  // rank 0 at capacity, rank 1 with no token
+  check_ep_reduced(s, 600, false);
+  check_ep_reduced(s, 601, true);
+  s.world = 2;
+  s.cfg.k = 1;
+  s.tokens = {5, 3};
+  check_ep_reduced(s, 602, false);
+  check_ep_reduced(s, 603, true);
+  s.cfg.k = 4;
+  for (int a1 = 1; a1 < 3; ++a1) {  // per-token and dynamic a1
+    s.cfg.a1 = a1;
+    check_ep_reduced(s, 610 + a1, false);
+    check_ep_reduced(s, 620 + a1, true);
+  }
+}
+
 TEST(EpLowLatencyLayer, EqualsSingleGpuEveryMode) {
   const QuantMode modes[] = {QuantMode::kW4A8Int4, QuantMode::kW4A16Int4, QuantMode::kW4A16, QuantMode::kW4A4,
                              QuantMode::kW4A8Mx};
@@ -337,9 +469,6 @@ TEST(EpThroughputLayer, ArgumentErrorsBeforeAnyExchange) {
   expect_error({v.p, 2, 2}, "rank");
   expect_error({v.p, 3, 0}, "num_experts");
   ThroughputLayer bad{v.p, 2, 0};
-  bad.moe.deterministic = false;
-  expect_error(bad, "deterministic");
-  bad = {v.p, 2, 0};
   bad.moe.tactic = "decode_m128_n8_k256";
   expect_error(bad, "tactic");
   EXPECT_EQ(rc.calls, 0);
@@ -363,9 +492,6 @@ TEST(EpLowLatencyLayer, ArgumentErrorsNameTheArgumentBeforeAnyExchange) {
   bad = {v.p, 2, 0, 8};
   bad.moe.num_local_experts = 8;
   expect_error(bad, "num_local_experts");
-  bad = {v.p, 2, 0, 8};
-  bad.moe.deterministic = false;
-  expect_error(bad, "deterministic");
   bad = {v.p, 2, 0, 8};
   bad.moe.fc2_input_scale.reset();
   expect_error(bad, "fc2_input_scale");

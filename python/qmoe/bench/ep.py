@@ -196,16 +196,20 @@ def _peer_bytes(torch, ids, num_experts, world, rank, hidden, packed_width, capa
 
 
 def _time_cpp_layers(torch, clock, args, transport, world, rank, experts, x, ids, wts, a1, a2, local, tokens,
-                     hidden) -> dict:
-    """us of the C++ low-latency layer (graph replay, capacity = tokens) and throughput layer (eager)."""
+                     hidden, deterministic=True, single_out=None) -> dict:
+    """us of the C++ low-latency layer (graph replay, capacity = tokens) and throughput layer (eager).
+    deterministic=False: the reduced combine (keys cpp_ll_fused_us, cpp_thr_fused_us), and with
+    single_out (fused_moe over all experts on this rank's tokens, fused finalize) the relative RMS of
+    both layers' outputs against it (cpp_fused_rel_rms, the larger of the two)."""
     from .. import _C, ops
     from .._tensors import current_stream
 
     per = experts // world
+    tag = "" if deterministic else "_fused"
     out = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=x.device)
     call = ops._layer_call("w4a8_int4", x, a1, ids, wts, local["w1"], local["w1_scale"], None, a2, local["w2"],
                            local["w2_scale"], None, None, (out, "output"), experts, per, rank * per, "swiglu", 1.0,
-                           0.0, float("inf"), 1.0, None, "gate_up", True, 1.0, None)
+                           0.0, float("inf"), 1.0, None, "gate_up", deterministic, 1.0, None)
     nbytes = _C.ep_low_latency_layer_workspace_size(call, world, rank, tokens)
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
 
@@ -213,12 +217,27 @@ def _time_cpp_layers(torch, clock, args, transport, world, rank, experts, x, ids
         _C.ep_low_latency_layer(call, world, rank, tokens, transport.comm, ops.arg(workspace, "workspace"),
                                 current_stream(out))
 
+    def rel_rms():
+        ref = single_out.float()
+        return float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
+
+    errors = []
     graph = _graph(torch, ll, args.warmup)
-    result = {"cpp_ll_us": _time_ep(torch, clock, graph.replay, args.iters, 1)}
+    result = {f"cpp_ll{tag}_us": _time_ep(torch, clock, graph.replay, args.iters, 1)}
     del graph
-    result["cpp_thr_us"] = _time_ep(
-        torch, clock, lambda: _C.ep_throughput_layer(call, world, rank, transport.comm, current_stream(out)),
-        args.iters, args.warmup)
+    if single_out is not None:
+        out.fill_(float("nan"))
+        ll()
+        torch.cuda.synchronize()
+        errors.append(rel_rms())
+    thr = lambda: _C.ep_throughput_layer(call, world, rank, transport.comm, current_stream(out))  # noqa: E731
+    result[f"cpp_thr{tag}_us"] = _time_ep(torch, clock, thr, args.iters, args.warmup)
+    if single_out is not None:
+        out.fill_(float("nan"))
+        thr()
+        torch.cuda.synchronize()
+        errors.append(rel_rms())
+        result["cpp_fused_rel_rms"] = max(errors)
     return result
 
 
@@ -275,10 +294,10 @@ def rank_main(rank, world, args) -> int:
             a2 = torch.full((1,), A2, dtype=torch.float32, device=device)
             row = dict(model=model, E=experts, topk=top_k, H=hidden, I=inter, T=tokens)
 
-            def single(out=None):
+            def single(out=None, fused=False):
                 return ops.fused_moe(x, ids, wts, weights["w1"], weights["w1_scale"], weights["w2"],
                                      weights["w2_scale"], quant_mode="w4a8_int4", num_experts=experts, x_scale=a1,
-                                     fc2_input_scale=a2, deterministic=True, out=out)
+                                     fc2_input_scale=a2, deterministic=not fused, out=out)
 
             def ep(mode, out=None, timeline=None, chunks=1):
                 return layer.forward(x, ids, wts, local["w1"], local["w1_scale"], local["w2"], local["w2_scale"],
@@ -301,6 +320,10 @@ def rank_main(rank, world, args) -> int:
                                                              args.warmup)
                         row["single_eager_us"] = common.time_eager(torch, [lambda: single(out_single)], args.iters,
                                                                    args.warmup)
+                        if args.cpp:  # the fused finalize: the base of the C++ layers' reduced combine
+                            fused = [lambda: single(out_single, fused=True)]
+                            row["single_fused_us"] = common.time_graph(torch, fused, args.iters, args.warmup)
+                            row["single_fused_eager_us"] = common.time_eager(torch, fused, args.iters, args.warmup)
                 except Exception as e:  # noqa: BLE001 - reported in the row
                     row["single_error"] = f"{type(e).__name__}: {e}"
             dist.barrier()
@@ -332,7 +355,13 @@ def rank_main(rank, world, args) -> int:
                 try:
                     row.update(_time_cpp_layers(torch, clock, args, transport, world, rank, experts, x, ids, wts, a1,
                                                 a2, local, tokens, hidden))
-                    for key, base in (("cpp_ll", row.get("single_us")), ("cpp_thr", row.get("single_eager_us"))):
+                    # The reduced combine (deterministic=False) against one GPU's fused finalize.
+                    out_fused = single(fused=True)
+                    row.update(_time_cpp_layers(torch, clock, args, transport, world, rank, experts, x, ids, wts, a1,
+                                                a2, local, tokens, hidden, deterministic=False, single_out=out_fused))
+                    for key, base in (("cpp_ll", row.get("single_us")), ("cpp_thr", row.get("single_eager_us")),
+                                      ("cpp_ll_fused", row.get("single_fused_us")),
+                                      ("cpp_thr_fused", row.get("single_fused_eager_us"))):
                         if base:
                             row[f"ratio_{key}"] = row[f"{key}_us"] / base
                 except Exception as e:  # noqa: BLE001
@@ -440,7 +469,10 @@ def _columns(args):
     """COLUMNS with, per --chunks N, the chunked low-latency time and ratio after the LL ratio and
     its bitwise check at the end; with --cpp the C++ layers' times and ratios after those."""
     cpp = [("C++ LL graph", "cpp_ll_us"), ("C++ LL ratio", "ratio_cpp_ll"), ("C++ thr eager", "cpp_thr_us"),
-           ("C++ thr ratio", "ratio_cpp_thr")] if getattr(args, "cpp", False) else []
+           ("C++ thr ratio", "ratio_cpp_thr"), ("single fused graph", "single_fused_us"),
+           ("C++ LL fused graph", "cpp_ll_fused_us"), ("C++ LL fused ratio", "ratio_cpp_ll_fused"),
+           ("C++ thr fused eager", "cpp_thr_fused_us"), ("C++ thr fused ratio", "ratio_cpp_thr_fused"),
+           ("C++ fused vs single", "cpp_fused_rel_rms")] if getattr(args, "cpp", False) else []
     extra = [c for n in args.chunks for c in ((f"EP LL c{n} graph", f"ep_ll_c{n}_us"),
                                                 (f"LL c{n} ratio", f"ratio_ll_c{n}"))]
     at = [k for _, k in COLUMNS].index("ratio_ll") + 1
@@ -464,6 +496,11 @@ def _report(rows, args):
              f"leave comm_sms = {args.comm_sms} SMs to NCCL), "
              "'LL cN vs c1' = its output against chunks=1; split = phases of an eager throughput forward; MB = bytes "
              "each rank sends to the other; plain = a grouped NCCL send/recv of the same bytes alone."
+             + (" C++ = the C++ layers (expert_parallel_layer.h) on the same communicator; 'fused' = "
+                "deterministic=False, the reduced combine (owners finalize their slots, one partial row per "
+                "token and owner comes back), against one GPU's fused finalize (single fused graph / eager); "
+                "'C++ fused vs single' = relative RMS of its output against that one-GPU output (not bitwise by "
+                "design)." if getattr(args, "cpp", False) else "")
              + (" CPU run (--cpu): not a benchmark." if args.cpu else ""), "",
              "| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:

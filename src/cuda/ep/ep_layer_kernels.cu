@@ -2,11 +2,17 @@
 //   row index:  index[t*k + j] = d*C*k + t*k + j for slot (t, j) owned by rank d = id / (E / W), -1 for
 //               an invalid id (outside [0, E)): where the low-latency combine delivers the slot's row;
 //   broadcast:  a per-tensor a1 (a device float) into the a1 field of every payload row;
-//   gather:     dst row i = src row index[i] (the throughput mode's send and return orders).
+//   gather:     dst row i = src row index[i] (the throughput mode's send and return orders);
+//   sum:        the reduced combine (deterministic = false): output[t] = sum_d partial_d[t] in rank order.
 // All elementwise; no host sync.
 #include <cuda_runtime_api.h>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
+
+#include <type_traits>
 
 #include "cuda/launch.h"
 
@@ -39,7 +45,62 @@ __global__ void gather_kernel(uint8_t* dst, int64_t dst_pitch, const uint8_t* sr
   reinterpret_cast<Word*>(dst + row * dst_pitch)[w] = from[w];
 }
 
+__device__ inline float to_f32(float v) { return v; }
+__device__ inline float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ inline float to_f32(__half v) { return __half2float(v); }
+template <class T>
+__device__ inline T from_f32(float v);
+template <>
+__device__ inline float from_f32<float>(float v) { return v; }
+template <>
+__device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ inline __half from_f32<__half>(float v) { return __float2half_rn(v); }
+
+// One thread per (token, VEC consecutive features); a token no rank returned a row for is zero.
+template <class T, int VEC>
+__global__ void sum_partials_kernel(const T* partials, const int32_t* index, int64_t world, int64_t capacity,
+                                    int64_t tokens, int64_t hidden, T* out) {
+  const int64_t groups = hidden / VEC;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= tokens * groups) return;
+  const int64_t t = i / groups, c = (i % groups) * VEC;
+  float acc[VEC] = {};
+  for (int64_t d = 0; d < world; ++d) {
+    const int64_t row = index != nullptr ? index[d * tokens + t] : d * capacity + t;
+    if (row < 0) continue;
+    const T* src = partials + row * hidden + c;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[v] += to_f32(src[v]);
+  }
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) out[t * hidden + c + v] = from_f32<T>(acc[v]);
+}
+
 }  // namespace
+
+void ep_sum_partials(const void* partials, const int32_t* index, int64_t world, int64_t capacity, TensorRef output,
+                     cudaStream_t stream) {
+  const int64_t tokens = output.size(0), hidden = output.size(1);
+  if (tokens == 0 || hidden == 0) return;
+  constexpr int kThreads = 256;
+  auto launch = [&](auto zero, auto vec) {
+    using T = decltype(zero);
+    constexpr int kVec = decltype(vec)::value;
+    const int64_t threads = tokens * (hidden / kVec);
+    sum_partials_kernel<T, kVec><<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        static_cast<const T*>(partials), index, world, capacity, tokens, hidden, output.ptr<T>());
+  };
+  using V4 = std::integral_constant<int, 4>;
+  using V1 = std::integral_constant<int, 1>;
+  const bool by4 = hidden % 4 == 0;  // 4 features per thread: 8-16 byte accesses, rows stay aligned
+  switch (output.dtype) {
+    case DType::kBFloat16: by4 ? launch(__nv_bfloat16{}, V4{}) : launch(__nv_bfloat16{}, V1{}); break;
+    case DType::kFloat16: by4 ? launch(__half{}, V4{}) : launch(__half{}, V1{}); break;
+    default: by4 ? launch(float{}, V4{}) : launch(float{}, V1{}); break;
+  }
+  check_cuda(cudaGetLastError(), "launch of the expert-parallel partial sum");
+}
 
 void ep_gather_rows(void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch, const int32_t* index,
                     int64_t count, int64_t width, cudaStream_t stream) {
