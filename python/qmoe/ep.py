@@ -44,6 +44,15 @@ finalize writes its rows of `out`. Default (chunks=None): 1. Chunking is opt-in 
 GPUs (written after session 3's last 2-GPU run; checked on the CPU only); the throughput mode takes
 chunks=1 only.
 
+Reduced combine (forward(deterministic=False); docs/expert-parallel.md): the routing weights travel with
+the payload, each owner runs qmoe.fused_moe over the tokens it received with its local experts (its own
+fused finalize, routed_scaling_factor included) into one partial row per token in the output dtype, the
+combine returns one row per (token, owner) instead of one per slot (k / W times fewer bytes for top-k
+routing spread over W ranks), and the home sums the partials of each token in rank order in fp32,
+rounded once (a scatter-add per rank into distinct rows: no data-dependent shape, graph-capturable).
+Within the fused finalize's tolerance of one GPU, not bitwise (two-level sums); the C++ layers' reduced
+combine computes the same thing. Unchunked only.
+
 The plan is computed with array operations (numpy for CPU arrays, torch for torch tensors: on the
 GPU for CUDA tensors, no copy of the routing to the host); it matches include/qmoe/expert_parallel.h
 (send order: grouped by destination, ascending token; return order: (token, slot) order), which the
@@ -53,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 
+import ml_dtypes
 import numpy as np
 
 from . import _C, ops, quant
@@ -314,7 +324,7 @@ class ExpertParallelMoE:
 
     def forward(self, x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, x_scale=None,
                 fc2_input_scale=None, w1_alpha=None, w2_alpha=None, per_token_scale=None, mode="throughput",
-                max_tokens_per_rank=None, out=None, tactic=None, timeline=None, chunks=None):
+                max_tokens_per_rank=None, out=None, tactic=None, timeline=None, chunks=None, deterministic=True):
         """out [T, H] for this rank's tokens. w1 / w2 / scales / alphas: this rank's E / W experts.
 
         tactic: a GEMM tactic name forced on the owner's moe_expert_rows (None: the heuristic's,
@@ -328,7 +338,10 @@ class ExpertParallelMoE:
         With tactic=None and n > 1 every chunk runs the tactic the heuristic picks for the unchunked
         call (pinned_tactic; where its two GEMMs would differ, the layer keeps one chunk), so the
         result is bitwise the chunks=1 result. self.last_chunks / self.last_tactic: what the last
-        call used (the tactic it pinned, also on the CPU, whose engine takes none)."""
+        call used (the tactic it pinned, also on the CPU, whose engine takes none).
+        deterministic: True (default): per-slot rows come back and the home's fixed-order finalize makes
+        the output bitwise fused_moe(deterministic=True) on one GPU; False: the reduced combine (module
+        docstring), fewer bytes, within tolerance of one GPU; chunks must then be None or 1."""
         if mode not in MODES:
             raise ValueError(f"qmoe: argument 'mode': expected one of {MODES}, got {mode!r}")
         if len(getattr(topk_ids, "shape", ())) != 2:
@@ -346,6 +359,15 @@ class ExpertParallelMoE:
             raise ValueError("qmoe: argument 'max_tokens_per_rank': expected None in mode 'throughput' (it sizes the "
                              f"low-latency buffers), got {max_tokens_per_rank}")
         chunks = self._resolve_chunks(chunks, mode, max_tokens_per_rank)
+        if not isinstance(deterministic, (bool, np.bool_)):
+            raise TypeError(f"qmoe: argument 'deterministic': expected a bool, got {deterministic!r}")
+        reduce = not deterministic
+        if reduce and chunks > 1:
+            raise ValueError(f"qmoe: argument 'chunks': expected None or 1 with deterministic=False (the reduced "
+                             f"combine runs unchunked), got {chunks}")
+        if reduce and tuple(getattr(topk_weights, "shape", ())) != (num_tokens, top_k):  # before any exchange
+            raise ValueError(f"qmoe: argument 'topk_weights': expected shape ({num_tokens}, {top_k}), got "
+                             f"{tuple(getattr(topk_weights, 'shape', ()))}")
         self.last_tactic = tactic
         if chunks > 1:
             if len(getattr(w2, "shape", ())) != 3:
@@ -396,17 +418,34 @@ class ExpertParallelMoE:
         else:
             row_index = routing.low_latency_row_index(xp, int(max_tokens_per_rank))
         payload = self._quantize(x, x_scale, fc2_input_scale, per_token_scale, num_tokens)
+        if reduce:  # the owners apply the routing weights
+            payload["topk_weights"] = (topk_weights.to(xp.torch.float32).contiguous() if xp.torch
+                                       else np.ascontiguousarray(topk_weights, np.float32))
         payload["topk_ids"] = ids
         packed, layout = self._pack(xp, payload, num_tokens)
 
         mark("dispatch")
         if mode == "throughput":
             counts = counts_later()
+            total = sum(counts["send_tokens"])
             recv = self._dispatch_throughput(xp, packed, send_src, counts)
+            token_of_row, groups = send_src[:total], counts["send_tokens"]
         else:
-            recv, counts = self._dispatch_low_latency(xp, packed, routing, int(max_tokens_per_rank)), None
+            capacity = int(max_tokens_per_rank)
+            recv, token_of_row = self._dispatch_low_latency(xp, packed, routing, capacity)
+            counts, groups = None, [capacity] * self.world_size
         received = self._unpack(xp, recv, layout)
         mark("compute")
+        if reduce:
+            partial = self._owner_partial(received, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale,
+                                          tactic)
+            mark("combine")
+            back_counts = counts["recv_tokens"] if mode == "throughput" else groups
+            back = self._exchange(xp, partial, back_counts, groups, (partial.shape[1],), partial.dtype)
+            mark("finalize")
+            result = self._sum_partials(xp, back, token_of_row, groups, num_tokens, out)
+            mark("end")
+            return result
         rows = self._expert_rows(received, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale,
                                  top_k, tactic)
         mark("combine")
@@ -627,12 +666,13 @@ class ExpertParallelMoE:
                               (packed.shape[1],), packed.dtype)
 
     def _dispatch_low_latency(self, xp: _Arrays, packed, routing: _Routing, capacity: int):
-        """Fixed [W, C] positions per peer; unused ones copy the pad row (topk_ids -1: skipped)."""
+        """Fixed [W, C] positions per peer; unused ones copy the pad row (topk_ids -1: skipped).
+        Returns the received rows and the packed row (token, or T for the pad row) of each position."""
         world = self.world_size
         base = xp.arange(world) * capacity
         src = _send_index(xp, routing, base, world * capacity)
         return self._exchange(xp, packed[src], [capacity] * world, [capacity] * world, (packed.shape[1],),
-                              packed.dtype)
+                              packed.dtype), src
 
     def _expert_rows(self, recv, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale, top_k, tactic):
         ids = recv["topk_ids"]
@@ -644,6 +684,48 @@ class ExpertParallelMoE:
             x_scale=recv.get("x_scale"), per_token_scale=recv.get("per_token_scale"), w1_alpha=w1_alpha,
             w2_alpha=w2_alpha, fc2_input_scale=fc2_input_scale, num_local_experts=self.experts_per_rank,
             local_expert_offset=self.local_expert_offset, tactic=tactic, **self.options)
+
+    def _owner_partial(self, recv, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale, tactic):
+        """Reduced combine, owner: fused_moe over the received tokens with the local experts: one partial
+        row per token (zero where it owns no slot), in the output dtype."""
+        ids = recv["topk_ids"]
+        if ids.shape[0] == 0:  # this rank received no token
+            return ops.empty_like_framework(ids, (0, w2.shape[1]), ops._dtype_name(self.output_dtype))
+        return ops.fused_moe(
+            recv["x"], ids, recv["topk_weights"], w1, w1_scale, w2, w2_scale, quant_mode=self.quant_mode,
+            num_experts=self.num_experts, x_scale=recv.get("x_scale"), per_token_scale=recv.get("per_token_scale"),
+            w1_alpha=w1_alpha, w2_alpha=w2_alpha, fc2_input_scale=fc2_input_scale,
+            num_local_experts=self.experts_per_rank, local_expert_offset=self.local_expert_offset,
+            deterministic=False, routed_scaling_factor=self.routed_scaling_factor, output_dtype=self.output_dtype,
+            tactic=tactic, **self.options)
+
+    def _sum_partials(self, xp: _Arrays, back, token_of_row, groups: list, num_tokens: int, out):
+        """Reduced combine, home: back row i is the partial of packed row token_of_row[i] (T: the pad row)
+        from the rank whose group (groups[d] rows, in rank order) holds i; out[t] = the fp32 sum of its
+        partials in rank order, rounded once to the output dtype. One scatter-add per rank: a token
+        appears at most once in a rank's group, so each add is order-free (the pad row T collects the
+        unused positions and is dropped)."""
+        hidden = back.shape[1]
+        name = ops._dtype_name(self.output_dtype)
+        if xp.torch:
+            torch = xp.torch
+            acc = torch.zeros((num_tokens + 1, hidden), dtype=torch.float32, device=back.device)
+            start = 0
+            for c in groups:
+                acc.index_add_(0, token_of_row[start:start + c].long(), back[start:start + c].float())
+                start += c
+            result = acc[:num_tokens].to(getattr(torch, name))
+            return result if out is None else out.copy_(result)
+        acc = np.zeros((num_tokens + 1, hidden), np.float32)
+        start = 0
+        for c in groups:
+            acc[np.asarray(token_of_row[start:start + c], np.int64)] += np.asarray(back[start:start + c], np.float32)
+            start += c
+        result = acc[:num_tokens].astype(ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name))
+        if out is None:
+            return result
+        out[...] = result
+        return out
 
     def _combine_throughput(self, xp: _Arrays, rows, recv_ids, counts):
         """Owner: rows of its slots, grouped by source rank in receive order ((token, slot) order).

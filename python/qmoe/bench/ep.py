@@ -299,10 +299,11 @@ def rank_main(rank, world, args) -> int:
                                      weights["w2_scale"], quant_mode="w4a8_int4", num_experts=experts, x_scale=a1,
                                      fc2_input_scale=a2, deterministic=not fused, out=out)
 
-            def ep(mode, out=None, timeline=None, chunks=1):
+            def ep(mode, out=None, timeline=None, chunks=1, deterministic=True):
                 return layer.forward(x, ids, wts, local["w1"], local["w1_scale"], local["w2"], local["w2_scale"],
                                      x_scale=a1, fc2_input_scale=a2, mode=mode, out=out, timeline=timeline,
-                                     max_tokens_per_rank=tokens if mode == "low_latency" else None, chunks=chunks)
+                                     max_tokens_per_rank=tokens if mode == "low_latency" else None, chunks=chunks,
+                                     deterministic=deterministic)
 
             # Single GPU on rank 0 (rank 1 waits), graph replay.
             if rank == 0:
@@ -320,10 +321,10 @@ def rank_main(rank, world, args) -> int:
                                                              args.warmup)
                         row["single_eager_us"] = common.time_eager(torch, [lambda: single(out_single)], args.iters,
                                                                    args.warmup)
-                        if args.cpp:  # the fused finalize: the base of the C++ layers' reduced combine
-                            fused = [lambda: single(out_single, fused=True)]
-                            row["single_fused_us"] = common.time_graph(torch, fused, args.iters, args.warmup)
-                            row["single_fused_eager_us"] = common.time_eager(torch, fused, args.iters, args.warmup)
+                        # The fused finalize: the base of the reduced combine (deterministic=False).
+                        fused = [lambda: single(out_single, fused=True)]
+                        row["single_fused_us"] = common.time_graph(torch, fused, args.iters, args.warmup)
+                        row["single_fused_eager_us"] = common.time_eager(torch, fused, args.iters, args.warmup)
                 except Exception as e:  # noqa: BLE001 - reported in the row
                     row["single_error"] = f"{type(e).__name__}: {e}"
             dist.barrier()
@@ -336,6 +337,12 @@ def rank_main(rank, world, args) -> int:
                         graph = _graph(torch, lambda: ep(mode, out_ll), args.warmup)
                         row[f"ep_{key}_us"] = _time_ep(torch, clock, graph.replay, args.iters, 1)
                         del graph
+                        # The reduced combine (deterministic=False) against one GPU's fused finalize.
+                        graph = _graph(torch, lambda: ep(mode, out_ll, deterministic=False), args.warmup)
+                        row["ep_ll_fused_us"] = _time_ep(torch, clock, graph.replay, args.iters, 1)
+                        del graph
+                        if row.get("single_fused_us"):
+                            row["ratio_ll_fused"] = row["ep_ll_fused_us"] / row["single_fused_us"]
                     else:
                         row[f"ep_{key}_us"] = _time_ep(torch, clock, lambda: ep(mode), args.iters if not args.cpu
                                                        else max(1, args.iters // 4), 1 if args.cpu else args.warmup)
@@ -457,7 +464,8 @@ def _fmt(v, digits=1):
 
 COLUMNS = (("model", "model"), ("T/rank", "T"), ("single eager", "single_eager_us"), ("EP thr eager", "ep_thr_us"),
            ("thr ratio", "ratio_thr"), ("single graph", "single_us"), ("EP LL graph", "ep_ll_us"),
-           ("LL ratio", "ratio_ll"),
+           ("LL ratio", "ratio_ll"), ("single fused graph", "single_fused_us"), ("EP LL fused graph", "ep_ll_fused_us"),
+           ("LL fused ratio", "ratio_ll_fused"),
            ("prep", "split.prep"), ("prep host", "split.prep_host"), ("dispatch", "split.dispatch"),
            ("compute", "split.compute"), ("combine", "split.combine"), ("finalize", "split.finalize"),
            ("disp MB", "dispatch_mb"), ("disp GB/s", "dispatch_gbps"), ("plain GB/s", "plain_dispatch_gbps"),
@@ -469,7 +477,7 @@ def _columns(args):
     """COLUMNS with, per --chunks N, the chunked low-latency time and ratio after the LL ratio and
     its bitwise check at the end; with --cpp the C++ layers' times and ratios after those."""
     cpp = [("C++ LL graph", "cpp_ll_us"), ("C++ LL ratio", "ratio_cpp_ll"), ("C++ thr eager", "cpp_thr_us"),
-           ("C++ thr ratio", "ratio_cpp_thr"), ("single fused graph", "single_fused_us"),
+           ("C++ thr ratio", "ratio_cpp_thr"),
            ("C++ LL fused graph", "cpp_ll_fused_us"), ("C++ LL fused ratio", "ratio_cpp_ll_fused"),
            ("C++ thr fused eager", "cpp_thr_fused_us"), ("C++ thr fused ratio", "ratio_cpp_thr_fused"),
            ("C++ fused vs single", "cpp_fused_rel_rms")] if getattr(args, "cpp", False) else []
@@ -496,11 +504,12 @@ def _report(rows, args):
              f"leave comm_sms = {args.comm_sms} SMs to NCCL), "
              "'LL cN vs c1' = its output against chunks=1; split = phases of an eager throughput forward; MB = bytes "
              "each rank sends to the other; plain = a grouped NCCL send/recv of the same bytes alone."
-             + (" C++ = the C++ layers (expert_parallel_layer.h) on the same communicator; 'fused' = "
-                "deterministic=False, the reduced combine (owners finalize their slots, one partial row per "
-                "token and owner comes back), against one GPU's fused finalize (single fused graph / eager); "
-                "'C++ fused vs single' = relative RMS of its output against that one-GPU output (not bitwise by "
-                "design)." if getattr(args, "cpp", False) else "")
+             + " 'fused' = forward(deterministic=False), the reduced combine (owners finalize their slots, one "
+               "partial row per token and owner comes back), against one GPU's fused finalize (single fused "
+               "graph / eager)."
+             + (" C++ = the C++ layers (expert_parallel_layer.h) on the same communicator; 'C++ fused vs "
+                "single' = relative RMS of their reduced-combine output against that one-GPU output (not bitwise "
+                "by design)." if getattr(args, "cpp", False) else "")
              + (" CPU run (--cpu): not a benchmark." if args.cpu else ""), "",
              "| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
