@@ -473,6 +473,8 @@ def test_constructor_checks():
             ExpertParallelMoE(2, 0, 8, transport=group.transport(0), comm_sms=bad)
     assert ExpertParallelMoE(2, 0, 8, transport=group.transport(0)).comm_sms == 16
     assert ExpertParallelMoE(2, 0, 8, transport=group.transport(0), comm_sms=np.int64(0)).comm_sms == 0
+    with pytest.raises(ValueError, match="'low_latency_engine'"):
+        ExpertParallelMoE(2, 0, 8, transport=group.transport(0), low_latency_engine="cuda")
 
 
 def test_chunked_forward_on_the_cpu_leaves_the_sm_limit_alone():

@@ -169,11 +169,12 @@ def ep_forward(env, layer, case, mine, mode, tactic, capacity=None, drop=(), out
                          chunks=chunks, **extra, **kw)
 
 
-def make_layer(env, transport, case):
+def make_layer(env, transport, case, engine="cpp"):
     from qmoe.ep import ExpertParallelMoE
 
     return ExpertParallelMoE(env.world, env.rank, E, transport=transport, quant_mode=case["quant_mode"],
-                             activation=case["activation"], gate_up_layout=case["gate_up_layout"])
+                             activation=case["activation"], gate_up_layout=case["gate_up_layout"],
+                             low_latency_engine=engine)
 
 
 def sync(env):
@@ -202,17 +203,23 @@ def check_transport(env, transport):
     return True, f"sizes per peer {recv_counts} (zero-size peers skipped, self copy included)"
 
 
-def check_equal(env, name, transport, quant_mode, mode, ids, wts, bounds, tactics, capacity, drop=(), whole=False):
+def check_equal(env, name, transport, quant_mode, mode, ids, wts, bounds, tactics, capacity, drop=(), whole=False,
+                engine="cpp"):
     """EP == single GPU on each rank's tokens, for each tactic (None = heuristic: reported, must agree
-    bitwise when both sides pick the same tactic, else within 1e-2 rel RMS)."""
+    bitwise when both sides pick the same tactic, else within 1e-2 rel RMS). engine: the layer's
+    low_latency_engine; the engine that ran must be the one expected (cpp on GPUs, else python)."""
     case = make_case(env, quant_mode, ids, wts)
     mine = rank_slice(case, bounds, env.rank)
     for key in drop:
         mine[key] = None
-    layer = make_layer(env, transport, case)
+    layer = make_layer(env, transport, case, engine)
     for tactic in tactics:
         label = f"{name} [tactic {tactic or 'heuristic'}]"
         got = ep_forward(env, layer, case, mine, mode, tactic, capacity, drop)
+        ran = "cpp" if mode == "low_latency" and engine == "cpp" and not env.cpu else "python"
+        if layer.last_engine != ran:
+            env.report(label, False, f"engine {layer.last_engine!r} ran, expected {ran!r}")
+            continue
         want = single_gpu(env, mine, tactic)
         sync(env)
         ok, detail = compare(env, got, want, "EP vs single GPU")
@@ -371,14 +378,15 @@ def check_chunks_graph(env, transport):
     env.report("low_latency/chunks_graph", ok1 and ok2, f"{d1}; {d2}")
 
 
-def check_graph(env, transport):
-    """Low-latency layer captured once, replayed with new inputs written in place."""
+def check_graph(env, transport, engine="cpp"):
+    """Low-latency layer captured once, replayed with new inputs written in place (engine: the layer's
+    low_latency_engine)."""
     torch = env.torch
     capacity, bounds = 24, [0, 20, 37]
     ids, wts = routing(37, K, E, seed=500)
     case = make_case(env, "w4a8_int4", ids, wts, seed=5)
     mine = rank_slice(case, bounds, env.rank)
-    layer = make_layer(env, transport, case)
+    layer = make_layer(env, transport, case, engine)
     tactic = PINNED[0]
     static = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in mine.items()}
     out = torch.empty((static["x"].shape[0], H), dtype=torch.bfloat16, device=env.device)
@@ -419,7 +427,7 @@ def check_graph(env, transport):
     ok1, d1 = compare(env, replayed, eager, "graph replay vs eager")
     ok2, d2 = compare(env, again, replayed, "second replay vs first")
     ok3, d3 = compare(env, replayed, want, "graph replay vs single GPU")
-    env.report("low_latency/graph", ok1 and ok2 and ok3, f"{d1}; {d2}; {d3}")
+    env.report(f"low_latency/graph/{engine}_engine", ok1 and ok2 and ok3, f"{d1}; {d2}; {d3}")
 
 
 def check_reduced(env, transport, mode, graph):
@@ -511,6 +519,9 @@ def run_checks(env, transport, only):
         ids, wts = routing(73, K, E, seed=100)
         guarded(f"{mode}/uniform", check_equal, env, f"{mode}/uniform", transport, "w4a8_int4", mode, ids, wts,
                 [0, 40, 73], tactics, 40, whole=True)
+        if mode == "low_latency":
+            guarded(f"{mode}/uniform/python_engine", check_equal, env, f"{mode}/uniform/python_engine", transport,
+                    "w4a8_int4", mode, ids, wts, [0, 40, 73], tactics, 40, whole=True, engine="python")
         ids, wts = routing(64, K, E, seed=200, lo=per, hi=2 * per, share=0.8)
         guarded(f"{mode}/skewed", check_equal, env, f"{mode}/skewed", transport, "w4a8_int4", mode, ids, wts,
                 [0, 32, 64], tactics[:1], 32)
@@ -525,6 +536,7 @@ def run_checks(env, transport, only):
                 [0, 26, 50], tactics[:1], 26, drop=("x_scale",))
     if not env.cpu:
         guarded("low_latency/graph", check_graph, env, transport)
+        guarded("low_latency/graph/python_engine", check_graph, env, transport, "python")
     for mode, graph in (("throughput", False), ("low_latency", False), ("low_latency", True)):
         label = f"{mode}/reduced{'/graph' if graph else ''}"
         if graph and env.cpu:
