@@ -1,6 +1,7 @@
 // Activation + requantization of the GPU fused MoE, between GEMM1 and GEMM2 (fused_moe_kernels.h;
-// DESIGN.md 3b and 4). Both pipelines evaluate the activation with the one device function
-// activation_of below, so the two agree on the gate/up layouts and the arithmetic.
+// DESIGN.md 3b and 4). Both pipelines evaluate the activation with the device functions of
+// activation_math.cuh, which GEMM1's fused epilogue (w4a8_int4 with a static a2 and an mma.sync decode
+// tactic: gemm/w4a8_act_requant.h) calls too, so all agree on the layouts and the arithmetic bit for bit.
 //
 //   v[r, i]  = act(h[r, gate(i)], h[r, up(i)])  for i in [0, I)   (ReLU^2: act(h[r, i]), no up)
 //
@@ -36,12 +37,12 @@
 
 #include <string>
 
+#include "cuda/fused/activation_math.cuh"  // gated_value, up_column, requant_value, s2_value
 #include "cuda/fused/fused_moe_common.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/launch.h"
 #include "qmoe/error.h"
 #include "qmoe/formats.h"
-#include "reference/activations.h"
 #include "cuda/common/pdl.cuh"
 
 namespace qmoe::cuda::fused {
@@ -52,26 +53,6 @@ constexpr int kThreads = 128;  // 128 threads x 8 features = 1024 features of a 
 constexpr int kVec = 8;
 // activation_amax: rows per grid pass, bounding the same-address atomics (one per warp and CTA).
 constexpr int64_t kAmaxMaxGridRows = 1024;
-
-// The gated activation of one feature from its gate and up values.
-__device__ __forceinline__ float gated_value(const ActivationArgs& a, float g, float u) {
-  switch (a.activation) {
-    case Activation::kSwiglu: return activation::swiglu<float>(g, u, a.swiglu_alpha, a.swiglu_beta, a.swiglu_limit);
-    case Activation::kGegluTanh: return activation::geglu_tanh<float>(g, u);
-    default: return activation::situ<float>(g, u, a.situ_beta, a.has_situ_linear_beta, a.situ_linear_beta);
-  }
-}
-
-// Column of h holding the up value of feature i (gate = up + gate_offset).
-__device__ __forceinline__ int64_t up_column(const ActivationArgs& a, int64_t inter, int64_t i, int64_t* gate) {
-  if (a.layout == GateUpLayout::kGateUp) {
-    *gate = i;
-    return inter + i;
-  }
-  const int64_t up = 128 * (i / 64) + i % 64;
-  *gate = up + 64;
-  return up;
-}
 
 // act(h_row)[i], one feature.
 __device__ __forceinline__ float activation_of(const ActivationArgs& a, const float* h_row, int64_t inter, int64_t i) {
@@ -136,7 +117,7 @@ __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const Requ
     if (!kAmaxOnly && blockIdx.x == 0 && threadIdx.x == 0) {
       const int32_t slot = rt.input_permutation[r];
       const int32_t e = slot >= 0 ? rt.local_ids[slot] : 0;
-      p.s2[r] = a2 * (p.w2_alpha != nullptr ? p.w2_alpha[e] : 1.0f);
+      p.s2[r] = s2_value(a2, p.w2_alpha, e);
     }
     if (i0 >= I) continue;  // no barrier below: the commit after the loop is reached by all
     float v[kVec];
@@ -154,10 +135,10 @@ __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const Requ
       if constexpr (kVectorized) {
         float q[kVec];
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) q[j] = __fdiv_rn(v[j], a2);  // IEEE division, as the reference
+        for (int j = 0; j < kVec; ++j) q[j] = requant_value(v[j], a2);  // IEEE division, as the reference
         *reinterpret_cast<uint2*>(dst) = make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
       } else {
-        for (int j = 0; j < kVec && i0 + j < I; ++j) dst[j] = e4m3_of(__fdiv_rn(v[j], a2));
+        for (int j = 0; j < kVec && i0 + j < I; ++j) dst[j] = e4m3_of(requant_value(v[j], a2));
       }
     }
   }

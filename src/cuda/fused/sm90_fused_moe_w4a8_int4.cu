@@ -13,6 +13,10 @@
 //   7. act + requant  A2[r] = e4m3(act(h[r]) / a2), s2[r] = a2 * w2_alpha[e]     moe_activation_requant.cu
 //   8. GEMM2          y[r] = bf16(s2[r] * W2[e] . A2[r])                         gemm/sm90_grouped_gemm_w4a8_int4
 //   9. finalize       out[t] = combine of w[t, j] * y[row(t, j)] in slot order   moe_finalize.cu
+// Fused activation (static a2, GEMM1 on an mma.sync decode tactic, QMOE_FUSED_EPILOGUE != "0"): steps
+// 5-7 are one kernel, GEMM1's epilogue writes A2 and s2 (gemm/w4a8_act_requant.h; bit for bit the
+// separate path's, same arithmetic: fused/activation_math.cuh); h is not written. Otherwise (dynamic a2,
+// WGMMA / prefill tactics, QMOE_FUSED_EPILOGUE=0) the separate steps above.
 // Fused finalize (deterministic == false, fused_moe) when GEMM2 runs a decode tile: out is zeroed
 // first (on aux_stream when given, joined back before GEMM2) and GEMM2's epilogue adds
 // bf16(rsf * w[s] * s2[r] * acc) into out[t] atomically (gemm/grouped_gemm_epilogue.cuh): no y
@@ -26,12 +30,14 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/fused/fused_moe_workspace.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/pdl.cuh"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"  // w4a8_moe_mm with a RowScatterAdd
+#include "cuda/gemm/w4a8_act_requant.h"
 #include "cuda/launch.h"
 #include "qmoe/error.h"
 
@@ -41,6 +47,14 @@ namespace {
 
 TensorRef device_tensor(void* data, DType dtype, std::initializer_list<int64_t> shape, int device) {
   return make_tensor(data, dtype, shape, Device::kCUDA, device);
+}
+
+// QMOE_FUSED_EPILOGUE=0 forces the separate activation kernels (A/B timing, tests comparing both
+// paths); any other value or none allows the fused GEMM1 epilogue. Read on every call (a getenv: cheap,
+// and legal during stream capture), so one process can switch between calls.
+bool fused_epilogue_allowed() {
+  const char* v = std::getenv("QMOE_FUSED_EPILOGUE");
+  return v == nullptr || !(v[0] == '0' && v[1] == '\0');
 }
 
 }  // namespace
@@ -114,17 +128,40 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     w4a8_moe_mm(g, tactic, stream, sc);
   };
 
-  // 5. GEMM1 into fp32 h.
-  grouped_gemm(h, DType::kFloat32, rows1, a1, hidden, p.w1, p.w1_scale, s1, sizes1, gemm1_tactic, RowScatterAdd{});
+  const fused::ActivationArgs act{p.activation,  p.gate_up_layout, p.swiglu_alpha,
+                                  p.swiglu_beta, p.swiglu_limit,   p.situ_beta,
+                                  p.situ_linear_beta.has_value(),  p.situ_linear_beta.value_or(1.0f)};
+  const bool fuse_activation = !dynamic_a2 && fused_epilogue_allowed() &&
+                               act_requant_supported(gemm1_tactic, rows1, inter, p.activation);
+  if (fuse_activation) {
+    // 5-7. GEMM1 with the activation and the requantization as its epilogue: A2 and s2, no h.
+    W4A8MoeMmArgs g;
+    g.d = device_tensor(h, DType::kFloat32, {slots, rows1}, device);  // shape only: not written
+    g.a = device_tensor(a1, DType::kFloat8E4M3, {slots, hidden}, device);
+    g.b = p.w1;
+    g.a_scales = device_tensor(s1, DType::kFloat32, {slots}, device);
+    g.b_scales = p.w1_scale;
+    g.expert_offsets = device_tensor(offsets, DType::kInt32, {local}, device);
+    g.problem_sizes = device_tensor(sizes1, DType::kInt32, {local, 3}, device);
+    g.topk = topk;
+    ActRequantEpilogue ep;
+    ep.a2 = a2;
+    ep.s2 = s2;
+    ep.a2_scale = p.fc2_input_scale->ptr<const float>();
+    ep.w2_alpha = p.w2_alpha ? p.w2_alpha->ptr<const float>() : nullptr;
+    ep.inter = static_cast<int>(inter);
+    ep.act = act;
+    w4a8_moe_mm_act_requant(g, gemm1_tactic, stream, ep);
+  } else {
+    // 5. GEMM1 into fp32 h.
+    grouped_gemm(h, DType::kFloat32, rows1, a1, hidden, p.w1, p.w1_scale, s1, sizes1, gemm1_tactic, RowScatterAdd{});
 
-  // 6-7. Activation and requantization.
-  fused::ActivationArgs act{p.activation,  p.gate_up_layout, p.swiglu_alpha,
-                            p.swiglu_beta, p.swiglu_limit,   p.situ_beta,
-                            p.situ_linear_beta.has_value(),  p.situ_linear_beta.value_or(1.0f)};
-  if (dynamic_a2) fused::activation_amax(routing, h, rows1, inter, act, amax_act, stream);
-  fused::activation_requant(routing, h, rows1, inter, act,
-                            dynamic_a2 ? nullptr : p.fc2_input_scale->ptr<const float>(), amax_act,
-                            p.w2_alpha ? p.w2_alpha->ptr<const float>() : nullptr, a2, s2, stream);
+    // 6-7. Activation and requantization.
+    if (dynamic_a2) fused::activation_amax(routing, h, rows1, inter, act, amax_act, stream);
+    fused::activation_requant(routing, h, rows1, inter, act,
+                              dynamic_a2 ? nullptr : p.fc2_input_scale->ptr<const float>(), amax_act,
+                              p.w2_alpha ? p.w2_alpha->ptr<const float>() : nullptr, a2, s2, stream);
+  }
 
   // 8. GEMM2 into bf16 rows, or (fused finalize) added into the zeroed output.
   if (scatter.out != nullptr) fused::zero_output_join(p, stream);

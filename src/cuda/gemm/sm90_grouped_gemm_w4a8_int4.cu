@@ -7,6 +7,8 @@
 // feeds the activation unrounded, DESIGN.md 3b). Each tactic is compiled for both output types.
 // The fused MoE's GEMM2 may pass a RowScatterAdd (grouped_gemm_epilogue.cuh): every tactic then adds
 // its rows into the zeroed output instead of writing d (the fused finalize, DESIGN.md 5.2).
+// w4a8_moe_mm_act_requant (w4a8_act_requant.h): the fused MoE's GEMM1 with the activation and the
+// requantization as the epilogue (e4m3 A2 and s2 instead of fp32 h), mma.sync decode tactics only.
 //
 // Kernel: sm90_grouped_gemm_w4a8_int4.cuh (swap-AB mma.sync fp16, int4 -> biased fp16 in registers,
 // one K group of 128 per pipeline stage, persistent CTAs over a device-side work list).
@@ -23,6 +25,7 @@
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"
 #include "cuda/gemm/resident_ctas.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
+#include "cuda/gemm/w4a8_act_requant.h"
 #include "cuda/launch.h"
 #include "qmoe/error.h"
 #include "cuda/common/pdl.cuh"
@@ -36,7 +39,7 @@ using w4a8::sm90_grouped_gemm_w4a8_int4_kernel;
 
 
 template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS>
-void launch_typed(const W4A8GemmParams& params, int64_t rows, int device, cudaStream_t stream) {
+void launch_typed(const W4A8ParamsOf<OutT>& params, int64_t rows, int device, cudaStream_t stream) {
   using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K>;
   constexpr auto kernel =
       sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K, MIN_BLOCKS>;
@@ -60,13 +63,15 @@ void launch(const W4A8GemmParams& params, bool fp32_out, int64_t rows, int devic
   }
 }
 
-}  // namespace
+// The kernel parameters of a call (arguments validated by the caller; the launch-level checks here).
+struct Prepared {
+  W4A8GemmParams params;
+  bool fp32_out;
+  int64_t rows;
+  int device;
+};
 
-void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream) {
-  w4a8_moe_mm(args, tactic, stream, RowScatterAdd{});
-}
-
-void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream, const RowScatterAdd& scatter) {
+Prepared prepare(const W4A8MoeMmArgs& args, const RowScatterAdd& scatter) {
   W4A8GemmParams params;
   params.a = args.a.ptr<const uint8_t>();
   params.b = args.b.ptr<const uint8_t>();
@@ -94,14 +99,29 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     QMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, name, "a 16-byte aligned data pointer",
               "an address that is not 16-byte aligned");
   }
-  const int device = args.a.device_index;
+  return Prepared{params, fp32_out, rows, args.a.device_index};
+}
+
+bool is_tactic(const Tactic& tactic, Tactic::Family f, int m, int n, int k) {
+  return tactic.family == f && tactic.tile_m == m && tactic.tile_n == n && tactic.tile_k == k && tactic.split_k == 1;
+}
+
+}  // namespace
+
+void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream) {
+  w4a8_moe_mm(args, tactic, stream, RowScatterAdd{});
+}
+
+void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream, const RowScatterAdd& scatter) {
+  const Prepared prep = prepare(args, scatter);
+  const W4A8GemmParams& params = prep.params;
+  const bool fp32_out = prep.fp32_out;
+  const int64_t rows = prep.rows;
+  const int device = prep.device;
   if (rows == 0) return;  // no rows: nothing to read or write
 
   using Family = Tactic::Family;
-  auto is = [&](Family f, int m, int n, int k) {
-    return tactic.family == f && tactic.tile_m == m && tactic.tile_n == n && tactic.tile_k == k &&
-           tactic.split_k == 1;
-  };
+  auto is = [&](Family f, int m, int n, int k) { return is_tactic(tactic, f, m, n, k); };
   // NOTE: the instantiation list. Keep it in step with compiled() in src/tune/tactics.cpp.
   // Template arguments: warps along weight rows, warps along tokens, 16-row fragments per warp,
   // 8-token fragments per warp, K groups (of 128) per pipeline stage, stages, warps splitting the
@@ -152,6 +172,47 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     launch_w4a8_wgmma_prefill(w, tactic.tile_n, fp32_out, stream);
   } else {
     throw Error("tactic", "a tactic compiled into this build (see valid_tactics)", tactic.name());
+  }
+}
+
+bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activation activation) {
+  using Family = Tactic::Family;
+  const bool decode = is_tactic(tactic, Family::kDecode, 128, 8, 256) || is_tactic(tactic, Family::kDecode, 128, 16, 256) ||
+                      is_tactic(tactic, Family::kDecode, 64, 8, 512) || is_tactic(tactic, Family::kDecode, 64, 32, 512);
+  if (!decode || inter <= 0) return false;
+  // Gated: a tile's F = TILE_M / 2 (64 or 32) features never straddle I nor an interleaved 64-group.
+  if (activation != Activation::kRelu2) return n == 2 * inter && inter % 64 == 0;
+  return n == inter && inter % 2 == 0;  // 2-byte stores of feature pairs
+}
+
+void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream,
+                             const ActRequantEpilogue& ep) {
+  Prepared prep = prepare(args, RowScatterAdd{});
+  // Caller bugs, not user errors: the pipeline checks act_requant_supported first.
+  QMOE_CHECK_ARG(prep.fp32_out && act_requant_supported(tactic, prep.params.n, ep.inter, ep.act.activation), "tactic",
+                 "an mma.sync decode tactic with the fused activation epilogue (act_requant_supported)", tactic.name());
+  QMOE_CHECK_ARG(ep.a2 != nullptr && ep.s2 != nullptr && ep.a2_scale != nullptr && reinterpret_cast<uintptr_t>(ep.a2) % 2 == 0,
+                 "act_out", "A2 (2-byte aligned), s2 and a2 device pointers", "a null or misaligned pointer");
+  W4A8ActGemmParams params;
+  static_cast<W4A8GemmParams&>(params) = prep.params;
+  params.act_out = ep;
+  const int64_t rows = prep.rows;
+  const int device = prep.device;
+  if (rows == 0) return;
+  using Family = Tactic::Family;
+  // The same instantiations as w4a8_moe_mm's decode tactics (same accumulation, so the same h bits),
+  // with the ActE4m3 epilogue.
+  if (is_tactic(tactic, Family::kDecode, 128, 8, 256)) {
+    if (n8_tiles_fill_three_per_sm(rows, params.num_experts, params.n, device))
+      launch_typed<ActE4m3, 2, 1, 4, 1, 2, 3, 2, 3>(params, rows, device, stream);
+    else
+      launch_typed<ActE4m3, 2, 1, 4, 1, 2, 4, 2, 2>(params, rows, device, stream);
+  } else if (is_tactic(tactic, Family::kDecode, 128, 16, 256)) {
+    launch_typed<ActE4m3, 2, 1, 4, 2, 2, 4, 2, 2>(params, rows, device, stream);
+  } else if (is_tactic(tactic, Family::kDecode, 64, 8, 512)) {
+    launch_typed<ActE4m3, 2, 1, 2, 1, 4, 4, 2, 2>(params, rows, device, stream);
+  } else {
+    launch_typed<ActE4m3, 4, 1, 1, 4, 4, 3, 2, 2>(params, rows, device, stream);
   }
 }
 

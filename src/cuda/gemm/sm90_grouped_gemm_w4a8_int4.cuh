@@ -5,6 +5,9 @@
 //
 // out = bf16 round-to-nearest-even (OutT = __nv_bfloat16: the public op) or the fp32 value itself
 // (OutT = float: the fused MoE's GEMM1, whose intermediate DESIGN 3b requires in fp32).
+// OutT = ActE4m3 (mma.sync decode tactics, the fused MoE's GEMM1 with a static a2; w4a8_act_requant.h):
+// D is not written; the epilogue applies the activation and the requantization to the fp32 values
+// and writes e4m3 A2 [R, I] and s2 [R] (see "Fused activation epilogue" below).
 // With p.scatter.out set (bf16 kernels only: the fused MoE's GEMM2 with the fused finalize), D is not
 // written: the fp32 value v = a_scale(r) * acc goes to out[slot / topk, o] += bf16(rsf * w[slot] * v)
 // atomically instead (grouped_gemm_epilogue.cuh), slot = scatter.row_slot[r].
@@ -39,6 +42,18 @@
 // and the group scale absorbs 2^24. Every product is exact; the two fp32 sums round as fp32 sums
 // do, and their difference can lose a few bits against sum A*q when the activations have a large
 // mean (far inside the 1e-2 tolerance).
+//
+// Fused activation epilogue (ActE4m3, gated activations): a tile of TILE_M weight rows covers F =
+// TILE_M / 2 features [f0, f0 + F), f0 = (n0 / TILE_M) * F: tile rows [0, F) are their gate rows, tile
+// rows [F, 2F) their up rows (weight rows gate_base + r and up_base + r - F: kGateUp gate_base = f0,
+// up_base = I + f0; kUpGateInterleaved64 up_base = 128 (f0 / 64) + f0 % 64, gate_base = up_base + 64).
+// The producer's weight passes and scale copies each lie in one half, so the pairing costs one address
+// jump per tile. The work list is unchanged (n = 2I = number of tiles x TILE_M). After the K warps
+// meet, the k = 0 warps write h = a_scale(r) * acc (the fp32 value the plain epilogue stores) into the
+// meeting's shared memory as h[token][tile row]; a block barrier; then all threads loop over (token,
+// feature pair) items: act(gate, up) of two adjacent features, / a2, one 2-byte store of two e4m3 codes
+// into A2. ReLU^2 (not gated) keeps the identity row mapping (item = two adjacent tile rows). The tile
+// with n0 == 0 writes s2 for its tokens.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,6 +64,8 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/common/int4_to_f16.cuh"
+#include "cuda/fused/activation_math.cuh"
+#include "cuda/gemm/w4a8_act_requant.h"
 #include "cuda/gemm/grouped_gemm_epilogue.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/gemm/k_warps.cuh"
@@ -73,6 +90,16 @@ struct W4A8GemmParams {
   int scales_packed4;    // 1: [E, K/512, 4N], 0: [E, K/128, N]
   RowScatterAdd scatter; // out set: the fused finalize instead of d (bf16 kernels only)
 };
+
+// Output tag of the fused activation epilogue (w4a8_act_requant.h), and its kernel parameters.
+// NOTE: a separate struct, not a field of W4A8GemmParams: a larger parameter struct changed ptxas'
+// register allocation of the plain kernels (n8 137 -> 168 registers), so they keep theirs.
+struct ActE4m3 {};
+struct W4A8ActGemmParams : W4A8GemmParams {
+  ActRequantEpilogue act_out;  // A2 and s2 instead of d
+};
+template <class OutT>
+using W4A8ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, W4A8ActGemmParams, W4A8GemmParams>;
 
 // The launcher (sm90_grouped_gemm_w4a8_int4.cu) with the fused finalize as the epilogue: d bf16,
 // scatter.out set (or empty: the plain w4a8_moe_mm of cuda/launch.h). Every tactic honours it.
@@ -151,12 +178,91 @@ __device__ __forceinline__ int swizzle_b(int chunk, int row) {
   return GPS >= 2 ? chunk ^ ((row & 1) << 2) : chunk;
 }
 
+// The fused activation epilogue of one tile (ActE4m3; the top comment describes the row mapping),
+// run by every thread of the block right after the K warps met (meet_k_warps: k0 = this thread's warp
+// holds the tile's sums). `park`: the meeting's shared memory, TILE_M x TILE_N floats, reused here as
+// h[token][tile row]; the caller's next block-wide barrier retires it. The activation runs as a loop
+// over (token, feature pair) items spread over all threads, not unrolled over accumulator slots: one
+// copy of the activation code (an unrolled copy per slot made the epilogue code ~50 KB, fetched cold
+// for every tile: +30% GEMM time on the H200).
+template <int WARPS_M, int WARPS_N, int MF, int NF, int kTileM, int kTileN, int kThreads>
+__device__ __forceinline__ void act_requant_epilogue(const W4A8ActGemmParams& p, const GroupedTile& t,
+                                                     float (&acc)[MF][NF][4], float* park, bool k0, int warp_m,
+                                                     int warp_n, int lane, int tid) {
+  constexpr int kHalf = kTileM / 2;  // F: features of a gated tile
+  static_assert(kTileM % 4 == 0, "feature pairs of both halves");
+  const ActRequantEpilogue& ep = p.act_out;
+  const bool gated = ep.act.activation != Activation::kRelu2;
+  __syncthreads();  // every k0 thread has read its own park column (meet_k_warps): park is free
+  if (k0) {
+    // h = a_scale(row) * acc, the value the fp32 epilogue stores (one rounding: __fmul_rn is never
+    // contracted into a later add). Token columns past the tile's rows hold zeros and are not read.
+    const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf) {
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const int token = (warp_n * NF + nf) * 8 + tig * 2 + cc;
+        const float as = token < t.rows ? p.a_scales[p.a_scales_per_row ? t.row0 + token : 0] : 0.f;
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = (warp_m * MF + mf) * 16 + hh * 8 + gid;
+            park[token * kTileM + r] = __fmul_rn(as, acc[mf][nf][2 * hh + cc]);
+          }
+      }
+    }
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[mf][nf][c] = 0.f;
+  }
+  __syncthreads();
+  const float a2 = ep.a2_scale[0];
+  if (gated) {
+    // Item = (token, feature pair q): gate values at tile rows 2q, 2q + 1, up values at F + 2q, F + 2q + 1.
+    constexpr int kPairs = kHalf / 2;
+    const int f0 = (t.n0 / kTileM) * kHalf;
+#pragma unroll 1
+    for (int i = tid; i < t.rows * kPairs; i += kThreads) {
+      const int token = i / kPairs, q = i % kPairs;
+      const float2 g = *reinterpret_cast<const float2*>(park + token * kTileM + 2 * q);
+      const float2 u = *reinterpret_cast<const float2*>(park + token * kTileM + kHalf + 2 * q);
+      const float v0 = fused::requant_value(fused::gated_value(ep.act, g.x, u.x), a2);
+      const float v1 = fused::requant_value(fused::gated_value(ep.act, g.y, u.y), a2);
+      const int feature = f0 + 2 * q;
+      if (feature < ep.inter)
+        *reinterpret_cast<uint16_t*>(ep.a2 + static_cast<int64_t>(t.row0 + token) * ep.inter + feature) =
+            static_cast<uint16_t>(fused::e4m3x2(v0, v1));
+    }
+  } else {
+    // ReLU^2: item = (token, pair of tile rows = features n0 + 2q, n0 + 2q + 1).
+    constexpr int kPairs = kTileM / 2;
+#pragma unroll 1
+    for (int i = tid; i < t.rows * kPairs; i += kThreads) {
+      const int token = i / kPairs, q = i % kPairs;
+      const float2 h = *reinterpret_cast<const float2*>(park + token * kTileM + 2 * q);
+      const float v0 = fused::requant_value(activation::relu2<float>(h.x), a2);
+      const float v1 = fused::requant_value(activation::relu2<float>(h.y), a2);
+      const int feature = t.n0 + 2 * q;
+      if (feature < ep.inter)
+        *reinterpret_cast<uint16_t*>(ep.a2 + static_cast<int64_t>(t.row0 + token) * ep.inter + feature) =
+            static_cast<uint16_t>(fused::e4m3x2(v0, v1));
+    }
+  }
+  if (t.n0 == 0 && tid < t.rows) ep.s2[t.row0 + tid] = fused::s2_value(a2, ep.w2_alpha, t.expert);
+}
+
 template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
-    sm90_grouped_gemm_w4a8_int4_kernel(const W4A8GemmParams p) {
+    sm90_grouped_gemm_w4a8_int4_kernel(const W4A8ParamsOf<OutT> p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
-  static_assert(std::is_same<OutT, __nv_bfloat16>::value || std::is_same<OutT, float>::value,
-                "the epilogue stores bf16 (the public op) or fp32 (the fused MoE's GEMM1)");
+  constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;  // the fused activation epilogue
+  static_assert(std::is_same<OutT, __nv_bfloat16>::value || std::is_same<OutT, float>::value || kAct,
+                "the epilogue stores bf16 (the public op), fp32 or e4m3 A2 (the fused MoE's GEMM1)");
   using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K>;
   constexpr int kTileM = Cfg::kTileM;
   constexpr int kTileN = Cfg::kTileN;
@@ -201,12 +307,14 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   constexpr int kPassesA = (kTileN + kRowsPerPassA - 1) / kRowsPerPassA;
   static_assert(kThreads % kChunksB == 0 && kTileM % kRowsPerPassB == 0, "weight copies tile the stage");
   static_assert(kThreads % kChunksA == 0 && kPassesB <= 32 && kPassesA <= 32, "copy masks are 32-bit");
+  static_assert(!kAct || (kPassesB % 2 == 0 && (kTileM / 2) % 8 == 0), "passes and scale copies lie in one half");
   const int b_row = tid / kChunksB, b_chunk = tid % kChunksB;
   const int a_row = tid / kChunksA, a_chunk = tid % kChunksA;
   const int64_t b_pass_stride = kRowsPerPassB * row_bytes_b;
   const int64_t a_pass_stride = static_cast<int64_t>(kRowsPerPassA) * p.k;
 
   const uint8_t* b_src = p.b;  // row n0 + b_row, chunk b_chunk, group 0 of the current load tile
+  int64_t b_jump = 0;          // kAct, gated: extra offset of the passes in the up half (tile rows >= F)
   const uint8_t* a_src = p.a;  // row row0 + a_row, chunk a_chunk, group 0
   const __nv_bfloat16* s_src = p.b_scales;
   uint32_t b_valid = 0, a_valid = 0;  // bit i: pass i copies a real row
@@ -215,7 +323,28 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     const int s = it % stages_per_tile;
     if (s == 0) {
       const GroupedTile t = tile_info(it / stages_per_tile);
-      b_src = p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + b_row) * row_bytes_b + b_chunk * 16;
+      // Weight row of tile row r: row_lo + r, plus row_jump when r >= TILE_M / 2 (only in the fused
+      // gated epilogue: gate rows of F features, then their up rows; see the top comment).
+      // (The plain kernels keep their exact address arithmetic: if constexpr.)
+      int row_lo = t.n0, row_jump = 0;
+      if constexpr (kAct) {
+        if (p.act_out.act.activation != Activation::kRelu2) {
+          const int f0 = (t.n0 / kTileM) * (kTileM / 2);
+          int64_t gate_row;
+          const int64_t up_row = fused::up_column(p.act_out.act, p.act_out.inter, f0, &gate_row);
+          row_lo = static_cast<int>(gate_row);
+          row_jump = static_cast<int>(up_row - gate_row) - kTileM / 2;
+        }
+        b_jump = static_cast<int64_t>(row_jump) * row_bytes_b;
+      }
+      auto weight_row = [&](int r) {
+        if constexpr (kAct) {
+          return row_lo + r + (r >= kTileM / 2 ? row_jump : 0);
+        } else {
+          return t.n0 + r;
+        }
+      };
+      b_src = p.b + (static_cast<int64_t>(t.expert) * p.n + weight_row(0) + b_row) * row_bytes_b + b_chunk * 16;
       a_src = p.a + static_cast<int64_t>(t.row0 + a_row) * p.k + a_chunk * 16;
       b_valid = a_valid = 0;
 #pragma unroll
@@ -227,12 +356,16 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         // block `bi` of the stage.
         const int bi = tid / (kTileM / 2), c = tid % (kTileM / 2);
         s_valid = tid < Cfg::kScaleBlocks * kTileM / 2 && t.n0 + 2 * c < p.n;
-        s_src = p.b_scales + (static_cast<int64_t>(t.expert) * groups_per_kb + bi) * 4 * p.n + 4 * (t.n0 + 2 * c);
+        s_src = p.b_scales + (static_cast<int64_t>(t.expert) * groups_per_kb + bi) * 4 * p.n + 4 * weight_row(2 * c);
       } else {
         // GPS slices of TILE_M scales (one per group): one 16-byte copy = 8 rows of one group.
         const int gg = tid / (kTileM / 8), c = tid % (kTileM / 8);
         s_valid = tid < GPS * kTileM / 8 && t.n0 + 8 * c < p.n;
-        s_src = p.b_scales + (static_cast<int64_t>(t.expert) * groups + gg) * p.n + t.n0 + 8 * c;
+        if constexpr (kAct) {
+          s_src = p.b_scales + (static_cast<int64_t>(t.expert) * groups + gg) * p.n + weight_row(8 * c);
+        } else {
+          s_src = p.b_scales + (static_cast<int64_t>(t.expert) * groups + gg) * p.n + t.n0 + 8 * c;
+        }
       }
     }
     const int g0 = s * GPS;
@@ -246,7 +379,13 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     for (int i = 0; i < kPassesB; ++i) {
       const int r = b_row + i * kRowsPerPassB;
       const bool valid = b_chunk_ok && ((b_valid >> i) & 1u);
-      const uint8_t* src = valid ? b_src + i * b_pass_stride + g0 * kGroupBytesB : p.b;
+      // (a pass lies in one half: kRowsPerPassB divides TILE_M / 2, static_assert below)
+      const uint8_t* src;
+      if constexpr (kAct) {
+        src = valid ? b_src + i * b_pass_stride + (i >= kPassesB / 2 ? b_jump : 0) + g0 * kGroupBytesB : p.b;
+      } else {
+        src = valid ? b_src + i * b_pass_stride + g0 * kGroupBytesB : p.b;
+      }
       cp_async_16(sb + r * kRowBytesB + (swizzle_b<GPS>(b_chunk, r) << 4), src, valid);
     }
 #pragma unroll
@@ -392,39 +531,50 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       if constexpr (WARPS_K > 1) {  // ---- K warps meet (k_warps.cuh); the next iteration's barrier retires `park`
         float* park = reinterpret_cast<float*>(stages + STAGES * Cfg::kStageBytes);
         constexpr int kMnThreads = WARPS_M * WARPS_N * 32;
-        if (!meet_k_warps<WARPS_K, MF, NF, kMnThreads>(acc, park, warp_k, tid % kMnThreads)) continue;
+        const bool k0 = meet_k_warps<WARPS_K, MF, NF, kMnThreads>(acc, park, warp_k, tid % kMnThreads);
+        if constexpr (kAct) {  // ---- Fused epilogue: A2 and s2 (all threads; see the top comment)
+          static_assert(Cfg::kSplitBytes >= kTileM * kTileN * 4, "park holds the tile's h");
+          act_requant_epilogue<WARPS_M, WARPS_N, MF, NF, kTileM, kTileN, kThreads>(
+              p, tile_info(it / stages_per_tile), acc, park, k0, warp_m, warp_n, lane, tid);
+          continue;
+        }
+        if (!k0) continue;
       }
-      // ---- Epilogue: D[row, n] = out(a_scale(row) * acc). Lanes gid, gid^1 swap values so that
-      // each stores two adjacent features of one token (4-byte bf16 / 8-byte fp32 stores).
-      const GroupedTile t = tile_info(it / stages_per_tile);
-      const bool even = (gid & 1) == 0;
+      if constexpr (kAct) {
+        static_assert(WARPS_K > 1, "the fused epilogue uses the K warps' meeting memory");
+      } else {
+        // ---- Epilogue: D[row, n] = out(a_scale(row) * acc). Lanes gid, gid^1 swap values so that
+        // each stores two adjacent features of one token (4-byte bf16 / 8-byte fp32 stores).
+        const GroupedTile t = tile_info(it / stages_per_tile);
+        const bool even = (gid & 1) == 0;
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) {
+        for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
-        for (int nf = 0; nf < NF; ++nf) {
+          for (int nf = 0; nf < NF; ++nf) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {  // h = 1: rows gid + 8
-            const float v0 = acc[mf][nf][2 * h], v1 = acc[mf][nf][2 * h + 1];
-            const float recv = __shfl_xor_sync(0xffffffffu, even ? v1 : v0, 4);
-            const float lo = even ? v0 : recv;
-            const float hi = even ? recv : v1;
-            const int token = (warp_n * NF + nf) * 8 + tig * 2 + (even ? 0 : 1);
-            const int n = t.n0 + (warp_m * MF + mf) * 16 + h * 8 + (gid & ~1);
-            if (token < t.rows && n < p.n) {
-              const int row = t.row0 + token;
-              const float as = p.a_scales[p.a_scales_per_row ? row : 0];
-              bool scattered = false;
-              if constexpr (std::is_same<OutT, __nv_bfloat16>::value) {  // GEMM1 (fp32) never scatters
-                if (p.scatter.out != nullptr) {
-                  scatter_add_pair(p.scatter, row, n, as * lo, as * hi);
-                  scattered = true;
+            for (int h = 0; h < 2; ++h) {  // h = 1: rows gid + 8
+              const float v0 = acc[mf][nf][2 * h], v1 = acc[mf][nf][2 * h + 1];
+              const float recv = __shfl_xor_sync(0xffffffffu, even ? v1 : v0, 4);
+              const float lo = even ? v0 : recv;
+              const float hi = even ? recv : v1;
+              const int token = (warp_n * NF + nf) * 8 + tig * 2 + (even ? 0 : 1);
+              const int n = t.n0 + (warp_m * MF + mf) * 16 + h * 8 + (gid & ~1);
+              if (token < t.rows && n < p.n) {
+                const int row = t.row0 + token;
+                const float as = p.a_scales[p.a_scales_per_row ? row : 0];
+                bool scattered = false;
+                if constexpr (std::is_same<OutT, __nv_bfloat16>::value) {  // GEMM1 (fp32) never scatters
+                  if (p.scatter.out != nullptr) {
+                    scatter_add_pair(p.scatter, row, n, as * lo, as * hi);
+                    scattered = true;
+                  }
                 }
+                if (!scattered)
+                  store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, as * lo, as * hi);
               }
-              if (!scattered)
-                store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, as * lo, as * hi);
             }
+            acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.f;
           }
-          acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.f;
         }
       }
     }

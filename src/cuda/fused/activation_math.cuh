@@ -1,0 +1,58 @@
+// The per-feature arithmetic of the w4a8_int4 intermediate (DESIGN.md 3b and 4), shared by the two
+// places that compute it: the separate activation + requant kernel (moe_activation_requant.cu) and
+// GEMM1's fused epilogue (gemm/sm90_grouped_gemm_w4a8_int4.cuh, ActE4m3 output). Both must give the
+// same bits (the fused epilogue is checked against the separate path bit for bit), so both call these
+// functions and nothing else:
+//
+//   v        = gated_value(act, g, u)     (ReLU^2, not gated: activation::relu2<float>(h))
+//   q        = requant_value(v, a2)       = v / a2, IEEE round-to-nearest division (as the reference)
+//   A2 code  = e4m3x2 / e4m3x4 of q       (fused_moe_common.cuh)
+//   s2[r]    = s2_value(a2, w2_alpha, e)  = a2 * (w2_alpha ? w2_alpha[e] : 1)
+//
+// g and u must be the fp32 values GEMM1 stores into h (a_scale(r) * acc rounded once): the fused
+// epilogue forms them with __fmul_rn so that the compiler cannot contract the product into a later
+// add (the separate kernel reads them from memory, where no contraction is possible either).
+// Column of h (= row of W13) of a feature i: kGateUp gate = i, up = I + i; kUpGateInterleaved64
+// up = 128 * (i / 64) + i % 64, gate = up + 64 (up_column).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/fused/fused_moe_common.cuh"
+#include "cuda/fused/fused_moe_kernels.h"  // ActivationArgs
+#include "reference/activations.h"
+
+namespace qmoe::cuda::fused {
+
+// The gated activation of one feature from its gate and up values (every activation but ReLU^2).
+__device__ __forceinline__ float gated_value(const ActivationArgs& a, float g, float u) {
+  switch (a.activation) {
+    case Activation::kSwiglu: return activation::swiglu<float>(g, u, a.swiglu_alpha, a.swiglu_beta, a.swiglu_limit);
+    case Activation::kGegluTanh: return activation::geglu_tanh<float>(g, u);
+    default: return activation::situ<float>(g, u, a.situ_beta, a.has_situ_linear_beta, a.situ_linear_beta);
+  }
+}
+
+// Column of h holding the up value of feature i (gate = up + gate_offset).
+__host__ __device__ __forceinline__ int64_t up_column(const ActivationArgs& a, int64_t inter, int64_t i,
+                                                      int64_t* gate) {
+  if (a.layout == GateUpLayout::kGateUp) {
+    *gate = i;
+    return inter + i;
+  }
+  const int64_t up = 128 * (i / 64) + i % 64;
+  *gate = up + 64;
+  return up;
+}
+
+// The value that becomes the e4m3 code: IEEE division, as the reference.
+__device__ __forceinline__ float requant_value(float v, float a2) { return __fdiv_rn(v, a2); }
+
+// GEMM2's per-row scale of a row of local expert e.
+__device__ __forceinline__ float s2_value(float a2, const float* w2_alpha, int32_t e) {
+  return a2 * (w2_alpha != nullptr ? w2_alpha[e] : 1.0f);
+}
+
+}  // namespace qmoe::cuda::fused

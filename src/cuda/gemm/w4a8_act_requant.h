@@ -1,0 +1,45 @@
+// GEMM1 of the w4a8_int4 fused MoE with the activation and the requantization as its epilogue
+// (docs/design.md 6.3): instead of h [R, R1] fp32 the GEMM writes
+//
+//   A2[r, i] = e4m3(act(h[r, gate(i)], h[r, up(i)]) / a2)   (ReLU^2: e4m3(relu2(h[r, i]) / a2))
+//   s2[r]    = a2 * (w2_alpha ? w2_alpha[e] : 1)             (e = the row's local expert)
+//
+// with h[r, n] = a_scale(r) * acc[r, n] exactly as the plain GEMM would store it, and the arithmetic of
+// cuda/fused/activation_math.cuh, so A2 and s2 are bit for bit those of GEMM1 (fp32 h) followed by
+// fused::activation_requant. h is never written. a2 = a2_scale[0] (static: fc2_input_scale).
+//
+// Only the mma.sync decode tactics have it (decode_m128_n8_k256, decode_m128_n16_k256,
+// decode_m64_n8_k512, decode_m64_n32_k512); gated activations need I % 64 == 0 (both layouts; the
+// W4A8 pipeline's GEMM2 already needs I % 128 == 0). act_requant_supported() says whether a call can
+// take it; the caller keeps the separate kernels otherwise.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/fused/fused_moe_kernels.h"  // ActivationArgs
+#include "qmoe/grouped_gemm.h"
+#include "qmoe/tactics.h"
+
+namespace qmoe::cuda {
+
+struct ActRequantEpilogue {
+  uint8_t* a2 = nullptr;             // e4m3 [R, I] (row-major, row stride I)
+  float* s2 = nullptr;               // [R]
+  const float* a2_scale = nullptr;   // [1] device: the static a2
+  const float* w2_alpha = nullptr;   // [E] or nullptr (1)
+  int inter = 0;                     // I
+  fused::ActivationArgs act{};
+};
+
+// True when `tactic` is one of the mma.sync decode tactics with the fused epilogue and the sizes fit
+// (gated: GEMM1 rows n == 2I, I % 64 == 0; ReLU^2: n == I, I % 2 == 0).
+bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activation activation);
+
+// GEMM1 (args.d gives the fp32 h shape [R, n] only: nothing is written there) with the fused
+// epilogue. Requires act_requant_supported(tactic, n, ep.inter, ep.act.activation).
+void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream,
+                             const ActRequantEpilogue& ep);
+
+}  // namespace qmoe::cuda

@@ -1,0 +1,298 @@
+"""GPU tests of GEMM1's fused activation epilogue in the w4a8_int4 pipeline (docs/design.md 6.3;
+src/cuda/gemm/w4a8_act_requant.h): with a static a2 (fc2_input_scale) and an mma.sync decode tactic
+for GEMM1, GEMM1's epilogue writes e4m3 A2 = e4m3(act(h) / a2) and s2 = a2 * w2_alpha[e] itself and
+never writes the fp32 h; QMOE_FUSED_EPILOGUE=0 (read on every call) forces the separate kernels.
+
+Every case runs the same device data through both paths with a caller-owned workspace poisoned with
+0xAA bytes and a NaN-poisoned output, then checks:
+  - A2 and s2 (read from the workspace at the pipeline's offsets) are bit for bit equal between the
+    two paths over the valid rows; s2 equals a2 * w2_alpha[e] (fp32) exactly;
+  - the deterministic output is bit for bit equal between the paths; the fused-finalize output of
+    both is within qmoe.testing's tolerance of the C++ CPU engine;
+  - which path ran: the fused path leaves h's bytes poisoned, the separate path writes them (so a
+    silent fallback cannot pass as "bitwise equal").
+The workspace offsets are recomputed here (fused_moe_workspace.h); the routing offsets read back from
+them must equal the ones computed from the routing, which checks the recomputation.
+
+Coverage: every gated activation (swiglu, gpt-oss swiglu_oai, geglu_tanh, situ) and relu2; both
+gate/up layouts ([gate; up] and up_gate_interleaved64); both weight-scale layouts (H = 256: [E, K/128, N],
+H = 512: [E, K/512, 4N]); I in {128, 256, 384}; ragged routing: T = 1, odd T, an empty expert, all
+tokens on one expert, ids that are -1 / out of range, EP with local experts (and tokens with no
+local slot); every decode tactic forced plus the heuristic's; w1/w2 alphas; PDL. Fallbacks: dynamic
+a2, prefill tactics (WGMMA and the mma.sync n64 tile) and the switch write h and match the CPU engine.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+from gpu_common import ACTIVATION_CASES, ACTIVATION_IDS, local_slots, on_device, require_hopper, run_cpu, to_np  # noqa: E402
+
+torch = require_hopper()
+
+import qmoe  # noqa: E402
+from qmoe import testing  # noqa: E402
+
+MODE = "w4a8_int4"
+ENV = "QMOE_FUSED_EPILOGUE"
+POISON = 0xAA
+DECODE_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256", "decode_m64_n8_k512", "decode_m64_n32_k512")
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fused_epilogue(enabled: bool):
+    """QMOE_FUSED_EPILOGUE for the calls inside (the pipeline reads it on every call)."""
+    old = os.environ.get(ENV)
+    os.environ[ENV] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = old
+
+
+def workspace_layout(slots, local, hidden, inter, rows1):
+    """fused_moe_workspace_layout (src/cuda/fused/fused_moe_workspace.h): byte offsets."""
+    at, off = 0, {}
+
+    def take(name, nbytes):
+        nonlocal at
+        off[name] = at
+        at += (nbytes + 255) // 256 * 256
+
+    take("local_ids", 4 * slots)
+    take("expert_offsets", 4 * (local + 1))
+    take("problem_sizes1", 12 * local)
+    take("problem_sizes2", 12 * local)
+    take("input_permutation", 4 * slots)
+    take("output_permutation", 4 * slots)
+    take("a1", slots * hidden)
+    take("s1", 4 * slots)
+    take("h", 4 * slots * rows1)
+    take("a2", slots * inter)
+    take("s2", 4 * slots)
+    take("y", 2 * slots * hidden)
+    take("scalars", 16)
+    off["total"] = at
+    return off
+
+
+def dims(case):
+    tokens, top_k = case["topk_ids"].shape
+    hidden, inter = case["w2"].shape[1], 2 * case["w2"].shape[2]
+    local = case["num_local_experts"] if case["num_local_experts"] is not None else case["num_experts"]
+    rows1 = inter if case["activation"] == "relu2" else 2 * inter
+    return tokens * top_k, local, hidden, inter, rows1
+
+
+def expected_offsets(case):
+    """expert_offsets [E_l + 1] of the pipeline's routing (counts of local slots per local expert)."""
+    _, local, *_ = dims(case)
+    keep = local_slots(case)
+    ids = case["topk_ids"].astype(np.int64)[keep] - case["local_expert_offset"]
+    counts = np.bincount(ids, minlength=local)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+
+
+def run(case, dev, fused, deterministic, **options):
+    """One GPU call through the chosen path into a poisoned workspace and output. Returns the output
+    and the workspace's routing offsets, h, A2 and s2 (valid rows only), all as torch tensors."""
+    slots, local, hidden, inter, rows1 = dims(case)
+    lay = workspace_layout(slots, local, hidden, inter, rows1)
+    ws = torch.full((lay["total"],), POISON, dtype=torch.uint8, device="cuda")
+    out = torch.full((case["topk_ids"].shape[0], hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with fused_epilogue(fused):
+        got = qmoe.fused_moe(**dev, out=out, workspace=ws, deterministic=deterministic, **options)
+    torch.cuda.synchronize()
+    assert got is out
+
+    def region(name, nbytes):
+        return ws[lay[name]:lay[name] + nbytes]
+
+    offsets = region("expert_offsets", 4 * (local + 1)).view(torch.int32).clone()
+    rows = int(offsets[-1])
+    return dict(out=out, offsets=offsets, rows=rows,
+                h=region("h", 4 * rows * rows1).clone(),
+                a2=region("a2", rows * inter).clone().view(rows, inter),
+                s2=region("s2", 4 * rows).view(torch.float32).clone())
+
+
+def expected_s2(case, offsets):
+    """s2 of the valid rows: a2 * w2_alpha[e] in fp32 (w2_alpha 1 when absent)."""
+    a2 = np.float32(case["fc2_input_scale"][0])
+    _, local, *_ = dims(case)
+    alpha = case.get("w2_alpha")
+    alpha = np.ones(local, np.float32) if alpha is None else alpha.astype(np.float32)
+    counts = np.diff(offsets)
+    return np.repeat(a2 * alpha, counts).astype(np.float32)
+
+
+def bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def compare_paths(case, tactic=None, expect_fused=True, cpu=None, **options):
+    """Both paths on the same device data (module docstring). expect_fused: whether GEMM1 takes the
+    fused epilogue when allowed (None: not checked; an untuned call may use an autotuner's cached
+    tactic). cpu: the CPU engine's outputs {deterministic: array} (computed if None)."""
+    dev = on_device(case)
+    opts = dict(options)
+    if tactic is not None:
+        opts["tactic"] = tactic
+    what = f"{case['activation']} {case['gate_up_layout']} tactic={tactic}"
+    want_offsets = expected_offsets(case)
+    cpu = cpu if cpu is not None else {}
+    for deterministic in (True, False):
+        fused = run(case, dev, True, deterministic, **opts)
+        sep = run(case, dev, False, deterministic, **opts)
+        for r in (fused, sep):
+            assert np.array_equal(r["offsets"].cpu().numpy(), want_offsets), f"{what}: workspace layout"
+        rows = fused["rows"]
+        # which path ran: the separate path writes h, the fused one never does
+        if rows > 0:
+            assert not bool((sep["h"] == POISON).all()), f"{what}: separate path left h unwritten"
+            if expect_fused is not None:
+                assert bool((fused["h"] == POISON).all()) == expect_fused, \
+                    f"{what}: fused epilogue {'not ' if expect_fused else ''}taken"
+        assert torch.equal(fused["a2"], sep["a2"]), \
+            f"{what}: A2 differs in {int((fused['a2'] != sep['a2']).sum())} of {fused['a2'].numel()} codes"
+        assert torch.equal(bits(fused["s2"]), bits(sep["s2"])), f"{what}: s2 differs"
+        if case.get("fc2_input_scale") is not None:
+            assert np.array_equal(fused["s2"].cpu().numpy().view(np.uint32),
+                                  expected_s2(case, want_offsets).view(np.uint32)), f"{what}: s2 != a2 * w2_alpha"
+        if deterministic:
+            assert torch.equal(bits(fused["out"]), bits(sep["out"])), f"{what}: deterministic outputs differ"
+        if deterministic not in cpu:
+            cpu[deterministic] = run_cpu(case, deterministic=deterministic, **options)
+        for r, name in ((fused, "fused"), (sep, "separate")):
+            testing.assert_close(to_np(r["out"]), cpu[deterministic], MODE,
+                                 what=f"{what} {name} det={deterministic} vs CPU")
+            assert not torch.isnan(r["out"].float()).any() or np.isnan(cpu[deterministic].astype(np.float32)).any()
+    return cpu
+
+
+def make_case(tokens, top_k, experts, activation, layout, params, hidden=256, inter=128, seed=0, **kw):
+    case = testing.make_fused_moe_case(MODE, tokens, hidden, inter, experts, top_k, seed, activation=activation,
+                                       gate_up_layout=layout, **kw)
+    case.update(params)
+    # a static a2 sized for the activation's range (relu2 of O(1) inputs reaches ~20)
+    case["fc2_input_scale"] = np.array([(32.0 if activation == "relu2" else 8.0) / 448], np.float32)
+    return case
+
+
+def decode_tactics(case):
+    slots, local, hidden, inter, rows1 = dims(case)
+    k = case["topk_ids"].shape[1]
+    g1 = qmoe.valid_tactics(rows1, hidden, slots, local, k)
+    g2 = qmoe.valid_tactics(hidden, inter, slots, local, k)
+    return [t for t in DECODE_TACTICS if t in g1 and t in g2]
+
+
+# ------------------------------------------------------------------------------------------------
+# ragged shapes x activations x layouts: every decode tactic and the heuristic
+# ------------------------------------------------------------------------------------------------
+SHAPES = {
+    # name: (tokens, top_k, experts, make_case keywords)
+    "T1": (1, 1, 8, {}),
+    "T1_k8": (1, 8, 64, {}),
+    "T7_empty_expert": (7, 4, 16, dict(empty_expert=3, minus_one=2, out_of_range=2)),
+    "T37_one_expert": (37, 1, 16, dict(expert_range=(5, 6))),
+    "T129_hot_expert": (129, 4, 16, dict(hot_expert=2)),
+    "T33_ep": (33, 2, 16, dict(num_local_experts=6, local_expert_offset=5, expert_range=(3, 13))),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("layout", ["gate_up", "up_gate_interleaved64"])
+@pytest.mark.parametrize("activation,params", ACTIVATION_CASES, ids=ACTIVATION_IDS)
+def test_fused_epilogue_matches_separate_path(activation, params, layout, shape):
+    if activation == "relu2" and layout != "gate_up":
+        pytest.skip("relu2 has no gate/up halves")
+    tokens, top_k, experts, kw = SHAPES[shape]
+    case = make_case(tokens, top_k, experts, activation, layout, params, seed=tokens + 7 * top_k, **kw)
+    tactics = decode_tactics(case)
+    assert len(tactics) == len(DECODE_TACTICS), tactics
+    cpu = {}
+    for tactic in tactics:
+        cpu = compare_paths(case, tactic, expect_fused=True, cpu=cpu, routed_scaling_factor=1.5)
+    compare_paths(case, None, expect_fused=None, cpu=cpu, routed_scaling_factor=1.5)
+
+
+def test_ep_tokens_without_local_slot_are_zero():
+    case = make_case(33, 2, 16, "swiglu", "gate_up", {}, seed=3, num_local_experts=4, local_expert_offset=8,
+                     expert_range=(6, 14))
+    ids = case["topk_ids"].copy()
+    ids[2] = [0, 15]
+    ids[5] = [-1, 99]
+    case["topk_ids"] = ids
+    compare_paths(case, "decode_m128_n8_k256")
+    none = ~local_slots(case).any(axis=1)
+    assert none[2] and none[5]
+    with fused_epilogue(True):
+        out = qmoe.fused_moe(**on_device(case), tactic="decode_m128_n8_k256", deterministic=True)
+    torch.cuda.synchronize()
+    assert np.all(to_np(out)[none].astype(np.float32) == 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# sizes: both weight-scale layouts of GEMM1 (K = H), several 64-groups of I
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hidden,inter", [(512, 128), (256, 256), (512, 384)])
+@pytest.mark.parametrize("layout", ["gate_up", "up_gate_interleaved64"])
+@pytest.mark.parametrize("activation,params", [ACTIVATION_CASES[1], ACTIVATION_CASES[3]],
+                         ids=[ACTIVATION_IDS[1], ACTIVATION_IDS[3]])
+def test_hidden_and_inter_sizes(activation, params, layout, hidden, inter):
+    if activation == "relu2" and layout != "gate_up":
+        pytest.skip("relu2 has no gate/up halves")
+    case = make_case(19, 4, 8, activation, layout, params, hidden=hidden, inter=inter, seed=hidden + inter)
+    cpu = {}
+    for tactic in decode_tactics(case):
+        cpu = compare_paths(case, tactic, cpu=cpu)
+
+
+def test_alphas_and_pdl():
+    case = make_case(23, 4, 8, "geglu_tanh", "up_gate_interleaved64", {}, seed=12)
+    rng = np.random.default_rng(3)
+    case["w1_alpha"] = rng.uniform(0.5, 2.0, 8).astype(np.float32)
+    case["w2_alpha"] = rng.uniform(0.5, 2.0, 8).astype(np.float32)
+    cpu = {}
+    for tactic in decode_tactics(case):
+        cpu = compare_paths(case, tactic, cpu=cpu, enable_pdl=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# fallbacks: the separate kernels run (h written) and the result matches the CPU engine
+# ------------------------------------------------------------------------------------------------
+def test_dynamic_a2_falls_back():
+    case = make_case(17, 4, 8, "swiglu", "gate_up", {}, seed=21)
+    case["fc2_input_scale"] = None
+    compare_paths(case, "decode_m128_n8_k256", expect_fused=False)
+
+
+def test_prefill_tactics_fall_back():
+    case = make_case(40, 4, 8, "swiglu", "up_gate_interleaved64", {}, seed=22)
+    slots, local, hidden, inter, rows1 = dims(case)
+    prefill = [t for t in qmoe.valid_tactics(rows1, hidden, slots, local, 4) if t.startswith("prefill")]
+    assert prefill
+    cpu = {}
+    for tactic in prefill:
+        cpu = compare_paths(case, tactic, expect_fused=False, cpu=cpu)
+
+
+def test_switch_is_read_per_call():
+    """Alternating the variable between calls in one process alternates the path (h poisoned or not)."""
+    case = make_case(5, 2, 8, "situ", "gate_up", ACTIVATION_CASES[4][1], seed=23)
+    dev = on_device(case)
+    for fused in (True, False, True, False):
+        r = run(case, dev, fused, True, tactic="decode_m128_n16_k256")
+        assert bool((r["h"] == POISON).all()) == fused
