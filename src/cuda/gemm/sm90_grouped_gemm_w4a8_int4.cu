@@ -185,6 +185,11 @@ bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activ
   return n == inter && inter % 2 == 0;  // 2-byte stores of feature pairs
 }
 
+bool act_requant_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device) {
+  return !is_tactic(tactic, Tactic::Family::kDecode, 128, 8, 256) ||
+         !n8_tiles_fill_three_per_sm(rows, num_experts, n, device);
+}
+
 void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream,
                              const ActRequantEpilogue& ep) {
   Prepared prep = prepare(args, RowScatterAdd{});
@@ -203,10 +208,9 @@ void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cu
   // The same instantiations as w4a8_moe_mm's decode tactics (same accumulation, so the same h bits),
   // with the ActE4m3 epilogue.
   if (is_tactic(tactic, Family::kDecode, 128, 8, 256)) {
-    if (n8_tiles_fill_three_per_sm(rows, params.num_experts, params.n, device))
-      launch_typed<ActE4m3, 2, 1, 4, 1, 2, 3, 2, 3>(params, rows, device, stream);
-    else
-      launch_typed<ActE4m3, 2, 1, 4, 1, 2, 4, 2, 2>(params, rows, device, stream);
+    // The 4-stage shape only: the pipeline keeps the separate kernels where the plain n8 tile would run
+    // its 3-CTA shape (act_requant_pays); a forced call there still gets the right bits.
+    launch_typed<ActE4m3, 2, 1, 4, 1, 2, 4, 2, 2>(params, rows, device, stream);
   } else if (is_tactic(tactic, Family::kDecode, 128, 16, 256)) {
     launch_typed<ActE4m3, 2, 1, 4, 2, 2, 4, 2, 2>(params, rows, device, stream);
   } else if (is_tactic(tactic, Family::kDecode, 64, 8, 512)) {

@@ -37,6 +37,14 @@ struct ActRequantEpilogue {
 // (gated: GEMM1 rows n == 2I, I % 64 == 0; ReLU^2: n == I, I % 2 == 0).
 bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activation activation);
 
+// Whether the fused epilogue is the faster path (H200, bench/results/2026-11-30_s5e_*: the layer with
+// the fused epilogue vs QMOE_FUSED_EPILOGUE=0): it saves the activation kernel (2-6 us at T = 1) but
+// stalls the CTA's main loop once per tile, which costs more than it saves where the n8 tile runs its
+// many-tile shape (3 CTAs per SM, n8_tiles_fill_three_per_sm): DeepSeek-V3 T = 8 / 64 +2% / +3%,
+// Qwen3-235B +5% / +2%. So: every supported tactic except n8 with that many tiles. rows: GEMM1's rows
+// (slots), num_experts: its experts (local), n: GEMM1's N.
+bool act_requant_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device);
+
 // GEMM1 (args.d gives the fp32 h shape [R, n] only: nothing is written there) with the fused
 // epilogue. Requires act_requant_supported(tactic, n, ep.inter, ep.act.activation).
 void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream,
