@@ -323,3 +323,21 @@ def to_torch(a, device="cuda"):
     if a.dtype.name == "float8_e4m3fn":
         return torch.from_numpy(a.view(np.uint8)).to(device).view(torch.float8_e4m3fn)
     return torch.from_numpy(a).to(device)
+
+
+def capture_graph(fn, warmup: int = 2):
+    """A torch.cuda.CUDAGraph of fn() on the current device, after `warmup` eager runs on a side stream
+    (NCCL peer connections, allocator pools and lazy setup happen outside the capture)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(1, warmup)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph

@@ -283,6 +283,20 @@ def _torch_or_skip():
     return pytest.importorskip("torch")
 
 
+def _to_torch(a):
+    """A numpy array as a torch CPU tensor sharing its bytes (bf16 and e4m3 reinterpreted); others as given."""
+    import torch
+
+    if a is None or not isinstance(a, np.ndarray):
+        return a
+    a = np.ascontiguousarray(a)
+    if a.dtype == qt.ref.BF16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if a.dtype.itemsize == 1 and a.dtype.kind not in "iu":
+        return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
+    return torch.from_numpy(a)
+
+
 @pytest.mark.parametrize("mode", ["throughput", "low_latency"])
 @pytest.mark.parametrize("quant_mode", ["w4a8_int4", "w4a4"])
 def test_torch_cpu_tensors_take_the_same_path(mode, quant_mode):
@@ -293,15 +307,7 @@ def test_torch_cpu_tensors_take_the_same_path(mode, quant_mode):
     case = _case(quant_mode, ids, wts, num_experts=8)
     bounds = _bounds(sizes)
 
-    def to_torch(a):
-        if a is None or not isinstance(a, np.ndarray):
-            return a
-        a = np.ascontiguousarray(a)
-        if a.dtype == qt.ref.BF16:
-            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        if a.dtype.itemsize == 1 and a.dtype.kind not in "iu":
-            return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
-        return torch.from_numpy(a)
+    to_torch = _to_torch
 
     def rank_fn(rank, transport):
         mine = _slice_tokens(case, bounds[rank], bounds[rank + 1])
@@ -609,15 +615,7 @@ def test_chunks_on_torch_cpu_tensors(quant_mode):
     case = _case(quant_mode, ids, wts, num_experts=8)
     bounds = _bounds([7, 6])
 
-    def to_torch(a):
-        if a is None or not isinstance(a, np.ndarray):
-            return a
-        a = np.ascontiguousarray(a)
-        if a.dtype == qt.ref.BF16:
-            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        if a.dtype.itemsize == 1 and a.dtype.kind not in "iu":
-            return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
-        return torch.from_numpy(a)
+    to_torch = _to_torch
 
     for chunks in (2, 3):
         outs, used, calls = _run_ep_chunks(case, bounds, 2, 7, chunks, to_framework=to_torch)

@@ -12,7 +12,7 @@ from qmoe import ops
 from qmoe.ep import ExpertParallelMoE
 from qmoe.ep_transport import run_loopback
 
-from test_ep_cpu import _bits, _bounds, _case, _routing, _slice_tokens
+from test_ep_cpu import _bits, _bounds, _case, _routing, _slice_tokens, _to_torch
 
 WEIGHT_KEYS = ("w1", "w1_scale", "w2", "w2_scale", "w1_alpha", "w2_alpha")
 
@@ -116,15 +116,7 @@ def test_torch_cpu_tensors_and_given_out():
     case = _case("w4a8_int4", ids, wts, num_experts=8)
     bounds = _bounds(sizes)
 
-    def to(a):
-        if a is None or not isinstance(a, np.ndarray):
-            return a
-        a = np.ascontiguousarray(a)
-        if a.dtype == ml_dtypes.bfloat16:
-            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        if a.dtype.itemsize == 1 and a.dtype.kind not in "iu":
-            return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
-        return torch.from_numpy(a)
+    to = _to_torch
 
     for mode in ("throughput", "low_latency"):
         outs = _run(case, bounds, world, mode, capacity=5, to=to)

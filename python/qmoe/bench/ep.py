@@ -151,17 +151,9 @@ def _time_ep(torch, clock, fn, iters, warmup):
 
 
 def _graph(torch, fn, warmup):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(max(1, warmup)):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
+    from ..testing import capture_graph
+
+    return capture_graph(fn, warmup)
 
 
 def _plain_exchange_us(torch, clock, transport, send_bytes, recv_bytes, device, iters):

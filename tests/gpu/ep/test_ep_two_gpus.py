@@ -182,6 +182,13 @@ def sync(env):
         env.torch.cuda.synchronize()
 
 
+def capture_graph(fn):
+    """A CUDA graph of fn() after two eager warm-ups on a side stream (qmoe.testing.capture_graph)."""
+    from qmoe import testing
+
+    return testing.capture_graph(fn, 2)
+
+
 # ---- checks ----------------------------------------------------------------------------------------
 
 def check_transport(env, transport):
@@ -347,16 +354,7 @@ def check_chunks_graph(env, transport):
     def call():
         return ep_forward(env, layer, case, static, "low_latency", tactic, capacity, out=out, chunks=2)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: NCCL peer connections, the layer's exchange stream, pools
-        call()
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture_graph(call)  # two warm-ups: NCCL peer connections, the layer's exchange stream, pools
     ids2, wts2 = routing(37, K, E, seed=511, lo=E // 2, hi=E, share=0.5)
     case2 = make_case(env, "w4a8_int4", ids2, wts2, seed=8)
     mine2 = rank_slice(case2, bounds, env.rank)
@@ -394,16 +392,7 @@ def check_graph(env, transport, engine="cpp"):
     def call():
         return ep_forward(env, layer, case, static, "low_latency", tactic, capacity, out=out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: NCCL peer connections, allocator pools
-        call()
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture_graph(call)  # two warm-ups: NCCL peer connections, allocator pools
     # New tokens and routing, same shapes: written into the captured inputs.
     ids2, wts2 = routing(37, K, E, seed=501, lo=0, hi=E // 2, share=0.5)
     case2 = make_case(env, "w4a8_int4", ids2, wts2, seed=6)
@@ -450,15 +439,7 @@ def check_reduced(env, transport, mode, graph):
         return ep_forward(env, layer, case, static, mode, tactic, capacity, out=out, deterministic=False)
 
     if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            call()
+        g = capture_graph(call)
         ids2, wts2 = routing(41, K, E, seed=951, lo=0, hi=E // 2, share=0.5)
         mine2 = rank_slice(make_case(env, "w4a8_int4", ids2, wts2, seed=10), bounds, env.rank)
         for key in ("x", "topk_ids", "topk_weights"):
