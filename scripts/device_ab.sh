@@ -8,6 +8,7 @@
 # DeepSeek-V3 GEMM1/GEMM2, Qwen3-235B GEMM1, Mixtral GEMM1/GEMM2, Qwen3-30B GEMM1/GEMM2),
 # QMOE_AB_T="1,8,64,256", QMOE_AB_TACTIC=heuristic (or a tactic name), QMOE_AB_CHECK=1 (each binary's
 # correctness checks first: every tactic vs the CPU reference), QMOE_AB_MAX_T=512 (bf16 binaries).
+# Output: stdout and $OUT/ab.log (appended).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # carried as one packed file (build_gemm_variants.sh all): unpack it first
@@ -43,4 +44,7 @@ run_list() {
     fi
   done
 }
-for l in "${lists[@]}"; do (run_list "$l"); done
+# Everything also goes to $OUT/ab.log (the device tool returns it): a long run's stdout tail is cut.
+LOG=${OUT:-$PWD/device_out}/ab.log
+mkdir -p "$(dirname "$LOG")"
+for l in "${lists[@]}"; do (run_list "$l"); done 2>&1 | tee -a "$LOG"
