@@ -290,7 +290,10 @@ class ExpertParallelMoE:
     """One MoE layer with experts split evenly over world_size ranks; this object is one rank.
 
     comm_sms: SMs a chunked forward (forward(chunks=n > 1), CUDA tensors) leaves free for NCCL's kernels
-    while its experts' GEMMs run (qmoe.limit_sms); 0 lets the GEMMs fill the GPU."""
+    while its experts' GEMMs run (qmoe.limit_sms); 0 lets the GEMMs fill the GPU.
+    low_latency_engine: "cpp" (default) runs unchunked low-latency forwards on torch CUDA tensors with an
+    NCCL transport through the C++ layer (same results, fewer kernels); "python" keeps the array path
+    (module docstring). self.last_engine says which ran."""
 
     def __init__(self, world_size: int, rank: int, num_experts: int, *, transport, quant_mode: str = "w4a8_int4",
                  activation: str = "swiglu", gate_up_layout: str = "gate_up", routed_scaling_factor: float = 1.0,
