@@ -393,6 +393,18 @@ void pack_payload(const FusedMoeParams& p, const Plan& plan, uint8_t* xq, uint8_
   }
 }
 
+// The throughput layer's owner over its N received tokens (payload parts at part_data) into `rows`, with
+// a stream-ordered engine workspace; nothing when N == 0.
+void run_owner_throughput(const FusedMoeParams& p, const Plan& plan, int64_t N, const std::vector<uint8_t*>& part_data,
+                          void* weights, const TensorRef& rows, cudaStream_t stream) {
+  if (N == 0) return;
+  const bool cuda = p.x.is_cuda();
+  const FusedMoeParams owner = owner_params_at(p, plan, N, part_data, weights);
+  const int64_t bytes = cuda ? owner_workspace_size(owner, plan, rows) : 0;
+  Buffer engine(cuda, bytes, stream);
+  run_owner(owner, plan, rows, engine.data(), bytes, stream);
+}
+
 // The throughput layer's steps 3-5 with the reduced combine: the owner finalizes its slots of the N
 // received tokens into one partial row each and returns them in receive order (no host wait for the
 // received routing); home row i of `back` is the partial of token send_tokens[i] from the rank whose
@@ -405,13 +417,8 @@ void combine_reduced(const ThroughputLayer& l, const Plan& plan, int64_t N, cons
   const int64_t T = plan.tokens, W = plan.world, R = plan.partial_bytes;
   const size_t w = static_cast<size_t>(W);
   Buffer rows(cuda, N * R, stream);
-  if (N > 0) {
-    const FusedMoeParams owner = owner_params_at(p, plan, N, part_data, nullptr);
-    const TensorRef rows_ref = make_tensor(rows.data(), plan.partial, {N, plan.hidden}, p.x.device, p.x.device_index);
-    const int64_t bytes = cuda ? owner_workspace_size(owner, plan, rows_ref) : 0;
-    Buffer engine(cuda, bytes, stream);
-    run_owner(owner, plan, rows_ref, engine.data(), bytes, stream);
-  }
+  run_owner_throughput(p, plan, N, part_data, nullptr,
+                       make_tensor(rows.data(), plan.partial, {N, plan.hidden}, p.x.device, p.x.device_index), stream);
   Buffer back(cuda, send_at[w] * R, stream);
   std::vector<PeerTransfer> peers(w);
   for (size_t d = 0; d < w; ++d)
@@ -613,13 +620,8 @@ void throughput_layer(const ThroughputLayer& l, const Exchange& exchange, cudaSt
     return;
   }
   Buffer weights(cuda, N * k * 4, stream), rows(cuda, N * k * H * 2, stream);
-  if (N > 0) {
-    const FusedMoeParams owner = owner_params_at(p, plan, N, part_data, weights.data());
-    const TensorRef rows_ref = make_tensor(rows.data(), DType::kBFloat16, {N * k, H}, p.x.device, p.x.device_index);
-    const int64_t bytes = cuda ? owner_workspace_size(owner, plan, rows_ref) : 0;
-    Buffer engine(cuda, bytes, stream);
-    run_owner(owner, plan, rows_ref, engine.data(), bytes, stream);
-  }
+  run_owner_throughput(p, plan, N, part_data, weights.data(),
+                       make_tensor(rows.data(), DType::kBFloat16, {N * k, H}, p.x.device, p.x.device_index), stream);
 
   // 4. Combine: the owned slots' rows back to their homes, grouped by home in receive order (sync 3:
   //    the received routing picks them).
