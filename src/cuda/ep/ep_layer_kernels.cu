@@ -14,6 +14,7 @@
 
 #include <type_traits>
 
+#include "cuda/common/store_out.cuh"
 #include "cuda/launch.h"
 
 namespace qmoe::cuda {
@@ -48,14 +49,6 @@ __global__ void gather_kernel(uint8_t* dst, int64_t dst_pitch, const uint8_t* sr
 __device__ inline float to_f32(float v) { return v; }
 __device__ inline float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ inline float to_f32(__half v) { return __half2float(v); }
-template <class T>
-__device__ inline T from_f32(float v);
-template <>
-__device__ inline float from_f32<float>(float v) { return v; }
-template <>
-__device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ inline __half from_f32<__half>(float v) { return __float2half_rn(v); }
 
 // One thread per (token, VEC consecutive features); a token no rank returned a row for is zero.
 template <class T, int VEC>
@@ -74,7 +67,7 @@ __global__ void sum_partials_kernel(const T* partials, const int32_t* index, int
     for (int v = 0; v < VEC; ++v) acc[v] += to_f32(src[v]);
   }
 #pragma unroll
-  for (int v = 0; v < VEC; ++v) out[t * hidden + c + v] = from_f32<T>(acc[v]);
+  for (int v = 0; v < VEC; ++v) store_out(out + t * hidden + c + v, acc[v]);
 }
 
 }  // namespace

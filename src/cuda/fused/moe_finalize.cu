@@ -47,6 +47,7 @@
 #include "cuda/launch.h"
 #include "qmoe/routing.h"
 #include "cuda/common/pdl.cuh"
+#include "cuda/common/store_out.cuh"
 
 namespace qmoe::cuda::fused {
 
@@ -66,13 +67,10 @@ __device__ __forceinline__ float bf16_of(const uint4& b, int i) {
 }
 __device__ __forceinline__ float bf16_of(uint16_t b, int) { return bf16_bits_to_float(b); }
 
-// Rounding to the output type, and the store.
+// Rounding to the output type (the store: cuda/common/store_out.cuh).
 __device__ __forceinline__ float round_out(float v, __nv_bfloat16*) { return __bfloat162float(__float2bfloat16_rn(v)); }
 __device__ __forceinline__ float round_out(float v, __half*) { return __half2float(__float2half_rn(v)); }
 __device__ __forceinline__ float round_out(float v, float*) { return v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
 
 // kVec consecutive outputs at an aligned address, in as few stores as the type allows.
 __device__ __forceinline__ void store_vec(__nv_bfloat16* p, const float (&v)[kVec]) {
@@ -197,7 +195,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(Rows source, const f
     if constexpr (V == kVec) {
       store_vec(out_row + n, o);
     } else {
-      store(out_row + n, o[0]);
+      store_out(out_row + n, o[0]);
     }
   }
 }

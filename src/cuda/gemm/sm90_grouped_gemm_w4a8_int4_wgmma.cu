@@ -26,6 +26,7 @@
 
 #include "cuda/common/int4_to_e4m3.cuh"
 #include "cuda/common/pdl.cuh"
+#include "cuda/common/store_out.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/gemm/resident_ctas.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
@@ -122,9 +123,6 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[TILE_N / 2], uint32_t a0, u
 __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
   return int4x4_to_e4m3x4(v & 0x7777u, 0x3210u | ((v >> 1) & 0x4444u));
 }
-
-__device__ __forceinline__ void store_out(__nv_bfloat16* out, float v) { *out = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void store_out(float* out, float v) { *out = v; }
 
 // One pipeline stage (K group g of tile t) into shared memory at sa: TILE_N activation rows (128-byte
 // swizzle), the tile's 128 weight rows, their scales of group g; LOADERS threads (loader = 0..LOADERS-1)
@@ -518,8 +516,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
             const int64_t row = t.row0 + c;
             const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
             OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
-            if (ok0) wgmma_prefill::store_out(out + r0, sc * acc[4 * j + h]);
-            if (ok1) wgmma_prefill::store_out(out + r1, sc * acc[4 * j + 2 + h]);
+            if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
+            if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
           }
           acc[4 * j + h] = 0.f;
           acc[4 * j + 2 + h] = 0.f;
