@@ -380,9 +380,6 @@ class ExpertParallelMoE:
         if reduce and chunks > 1:
             raise ValueError(f"qmoe: argument 'chunks': expected None or 1 with deterministic=False (the reduced "
                              f"combine runs unchunked), got {chunks}")
-        if reduce and tuple(getattr(topk_weights, "shape", ())) != (num_tokens, top_k):  # before any exchange
-            raise ValueError(f"qmoe: argument 'topk_weights': expected shape ({num_tokens}, {top_k}), got "
-                             f"{tuple(getattr(topk_weights, 'shape', ()))}")
         self.last_tactic = tactic
         if chunks > 1:
             if len(getattr(w2, "shape", ())) != 3:
@@ -399,6 +396,11 @@ class ExpertParallelMoE:
                 if self.last_tactic is None:
                     chunks = 1  # the two GEMMs' heuristic tactics differ: one name cannot pin both
         self.last_chunks = chunks
+        # The reduced combine sends the weights, a chunked forward finalizes between exchanges: either way a
+        # bad shape must be refused now, before any exchange leaves a peer waiting.
+        if (reduce or chunks > 1) and tuple(getattr(topk_weights, "shape", ())) != (num_tokens, top_k):
+            raise ValueError(f"qmoe: argument 'topk_weights': expected shape ({num_tokens}, {top_k}), got "
+                             f"{tuple(getattr(topk_weights, 'shape', ()))}")
         mark = timeline if timeline is not None else (lambda name: None)
         xp = _Arrays(x)
         ids = topk_ids.to(xp.torch.int32).contiguous() if xp.torch else np.ascontiguousarray(topk_ids, np.int32)
@@ -412,9 +414,6 @@ class ExpertParallelMoE:
                 out = ops.empty_like_framework(x, (num_tokens, hidden), ops._dtype_name(self.output_dtype))
             # The finalize runs per chunk between exchanges, where an argument error would leave the
             # peers waiting: check its arguments now on zero tokens (dtypes, devices, shapes).
-            if tuple(getattr(topk_weights, "shape", ())) != (num_tokens, top_k):
-                raise ValueError(f"qmoe: argument 'topk_weights': expected shape ({num_tokens}, {top_k}), got "
-                                 f"{tuple(getattr(topk_weights, 'shape', ()))}")
             ops.moe_finalize(ops.empty_like_framework(x, (0, hidden), "bfloat16"), ids[:0], topk_weights[:0],
                              num_experts=self.num_experts, routed_scaling_factor=self.routed_scaling_factor,
                              output_dtype=self.output_dtype, out=out[:0])
@@ -462,8 +461,8 @@ class ExpertParallelMoE:
         received = self._unpack(xp, recv, layout)
         mark("compute")
         if reduce:
-            partial = self._owner_partial(received, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale,
-                                          tactic)
+            partial = self._owner(received, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale, tactic,
+                                  reduce=True)
             mark("combine")
             back_counts = counts["recv_tokens"] if mode == "throughput" else groups
             back = self._exchange(xp, partial, back_counts, groups, (partial.shape[1],), partial.dtype)
@@ -471,8 +470,7 @@ class ExpertParallelMoE:
             result = self._sum_partials(xp, back, token_of_row, groups, num_tokens, out)
             mark("end")
             return result
-        rows = self._expert_rows(received, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale,
-                                 top_k, tactic)
+        rows = self._owner(received, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale, tactic)
         mark("combine")
         if mode == "throughput":
             back = self._combine_throughput(xp, rows, received["topk_ids"], counts)
@@ -547,8 +545,7 @@ class ExpertParallelMoE:
             streams.wait(done)
             received = self._unpack(xp, recv, layout)
             with limit_sms(expert_sms) if expert_sms else contextlib.nullcontext():
-                return self._expert_rows(received, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale,
-                                         top_k, tactic)
+                return self._owner(received, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale, tactic)
 
         def combine(rows):
             return self._exchange_async(xp, streams, keep, rows, per_chunk * top_k, (rows.shape[1],), rows.dtype)
@@ -699,16 +696,23 @@ class ExpertParallelMoE:
         return self._exchange(xp, packed[src], [capacity] * world, [capacity] * world, (packed.shape[1],),
                               packed.dtype), src
 
-    def _expert_rows(self, recv, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale, top_k, tactic):
+    def _owner(self, recv, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale, tactic, reduce=False):
+        """The owner's engine over the received tokens with its local experts: one bf16 row per owned slot
+        (moe_expert_rows), or with the reduced combine one partial row per token in the output dtype
+        (fused_moe with its own finalize; zero where it owns no slot of the token)."""
         ids = recv["topk_ids"]
-        num, hidden = ids.shape[0], w2.shape[1]
-        if num == 0:  # this rank received no token
-            return ops.empty_like_framework(ids, (0, hidden), "bfloat16")
-        return ops.moe_expert_rows(
-            recv["x"], ids, w1, w1_scale, w2, w2_scale, quant_mode=self.quant_mode, num_experts=self.num_experts,
-            x_scale=recv.get("x_scale"), per_token_scale=recv.get("per_token_scale"), w1_alpha=w1_alpha,
-            w2_alpha=w2_alpha, fc2_input_scale=fc2_input_scale, num_local_experts=self.experts_per_rank,
-            local_expert_offset=self.local_expert_offset, tactic=tactic, **self.options)
+        if ids.shape[0] == 0:  # this rank received no token
+            dtype = ops._dtype_name(self.output_dtype) if reduce else "bfloat16"
+            return ops.empty_like_framework(ids, (0, w2.shape[1]), dtype)
+        common = dict(quant_mode=self.quant_mode, num_experts=self.num_experts, x_scale=recv.get("x_scale"),
+                      per_token_scale=recv.get("per_token_scale"), w1_alpha=w1_alpha, w2_alpha=w2_alpha,
+                      fc2_input_scale=fc2_input_scale, num_local_experts=self.experts_per_rank,
+                      local_expert_offset=self.local_expert_offset, tactic=tactic, **self.options)
+        if reduce:
+            return ops.fused_moe(recv["x"], ids, recv["topk_weights"], w1, w1_scale, w2, w2_scale, deterministic=False,
+                                 routed_scaling_factor=self.routed_scaling_factor, output_dtype=self.output_dtype,
+                                 **common)
+        return ops.moe_expert_rows(recv["x"], ids, w1, w1_scale, w2, w2_scale, **common)
 
     def _low_latency_cpp(self, x, ids, topk_weights, w1, w1_scale, w2, w2_scale, x_scale, fc2_input_scale, w1_alpha,
                          w2_alpha, per_token_scale, capacity, out, tactic, deterministic):
@@ -730,20 +734,6 @@ class ExpertParallelMoE:
         _C.ep_low_latency_layer(call, self.world_size, self.rank, capacity, self.transport.comm,
                                 ops.arg(workspace, "workspace"), current_stream(out))
         return out
-
-    def _owner_partial(self, recv, w1, w1_scale, w2, w2_scale, w1_alpha, w2_alpha, fc2_input_scale, tactic):
-        """Reduced combine, owner: fused_moe over the received tokens with the local experts: one partial
-        row per token (zero where it owns no slot), in the output dtype."""
-        ids = recv["topk_ids"]
-        if ids.shape[0] == 0:  # this rank received no token
-            return ops.empty_like_framework(ids, (0, w2.shape[1]), ops._dtype_name(self.output_dtype))
-        return ops.fused_moe(
-            recv["x"], ids, recv["topk_weights"], w1, w1_scale, w2, w2_scale, quant_mode=self.quant_mode,
-            num_experts=self.num_experts, x_scale=recv.get("x_scale"), per_token_scale=recv.get("per_token_scale"),
-            w1_alpha=w1_alpha, w2_alpha=w2_alpha, fc2_input_scale=fc2_input_scale,
-            num_local_experts=self.experts_per_rank, local_expert_offset=self.local_expert_offset,
-            deterministic=False, routed_scaling_factor=self.routed_scaling_factor, output_dtype=self.output_dtype,
-            tactic=tactic, **self.options)
 
     def _sum_partials(self, xp: _Arrays, back, token_of_row, groups: list, num_tokens: int, out):
         """Reduced combine, home: back row i is the partial of packed row token_of_row[i] (T: the pad row)
