@@ -19,7 +19,10 @@
 #   QMOE_SANITIZE_FULL=1 selects every GPU test for each tool (slow: one tool per device call);
 #   QMOE_SANITIZE_K_<TOOL>=<pytest -k expression> replaces a selection; QMOE_SANITIZE_LIMIT_<TOOL>=<s>
 #   a time limit (defaults below sum to 360 s; a run past its limit is killed and reported TIMEOUT);
-#   QMOE_SANITIZE_JOBS=N (default 1) splits each tool's pytest run into N concurrent shards.
+#   QMOE_SANITIZE_JOBS=N (default 1) splits each tool's pytest run into N concurrent shards;
+#   QMOE_SANITIZE_IDS=<file> (with JOBS > 1) runs exactly the node ids listed there, one a line, in
+#   place of a selection: e.g. the sanitize_<tool>_left.ids a timed-out call wrote (a tool's run can
+#   so be finished over several device calls).
 #
 # Shards (QMOE_SANITIZE_JOBS > 1): a sanitizer process is CPU-bound on one core while the GPU has
 # room for several, so the full suite needs N processes to fit a device call. The selected node ids
@@ -91,6 +94,14 @@ _collection_skips = 0
 def pytest_collectreport(report):
     global _collection_skips
     _collection_skips += report.skipped
+
+
+def pytest_runtest_logreport(report):
+    # One line per finished test (its teardown), written at once: what a shard killed at its time
+    # limit or ended by a crash did finish, so the script can list the ids left for another call.
+    if report.when == "teardown" and os.environ.get("QMOE_SHARD_DONE"):
+        with open(os.environ["QMOE_SHARD_DONE"], "a", encoding="utf-8") as f:
+            f.write(report.nodeid + "\n")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -199,13 +210,20 @@ run_shards() {
   extra="$COMMON $([[ $tool == initcheck ]] && echo "$UNUSED" || echo "$FILTER")"
   errors=0 mine=0 other=0 warnings=0
   clog="$LOGDIR/sanitize_${tool}_collect.log"
-  rm -f "$LOGDIR/sanitize_${tool}_shard"*.ids "$LOGDIR/sanitize_${tool}_shard"*.log
-  QMOE_SANITIZER="" QMOE_SKIP_BUILD=1 QMOE_SKIP_CPP=1 QMOE_PYTEST_LOG="$WRAP/pytest_${tool}_collect.log" \
-    run_limited "$limit" "$clog" bash scripts/gpu_tests.sh -k "$sel" --collect-only
-  rc=$?
+  rm -f "$LOGDIR/sanitize_${tool}_shard"*.ids "$LOGDIR/sanitize_${tool}_shard"*.log "$LOGDIR/sanitize_${tool}_shard"*.done
   ids="$WRAP/ids_$tool"
-  # pytest -q --collect-only prints one node id a line; a warnings summary may repeat some.
-  grep -E '^tests/python/[^:]*::' "$clog" | awk '!seen[$0]++' > "$ids"
+  if [[ -n "${QMOE_SANITIZE_IDS:-}" ]]; then
+    # A list of node ids (e.g. a previous call's sanitize_<tool>_left.ids) in place of a selection.
+    echo "collection skipped: ids from QMOE_SANITIZE_IDS=$QMOE_SANITIZE_IDS" > "$clog"
+    grep -E '^tests/python/[^:]*::' "$QMOE_SANITIZE_IDS" | awk '!seen[$0]++' > "$ids"
+    sel="not __no_such_test__" rc=0
+  else
+    QMOE_SANITIZER="" QMOE_SKIP_BUILD=1 QMOE_SKIP_CPP=1 QMOE_PYTEST_LOG="$WRAP/pytest_${tool}_collect.log" \
+      run_limited "$limit" "$clog" bash scripts/gpu_tests.sh -k "$sel" --collect-only
+    rc=$?
+    # pytest -q --collect-only prints one node id a line; a warnings summary may repeat some.
+    grep -E '^tests/python/[^:]*::' "$clog" | awk '!seen[$0]++' > "$ids"
+  fi
   collected=$(wc -l < "$ids")
   if (( rc != 0 || collected == 0 )); then
     ran="collection failed (exit $rc, $collected ids)"; failed=1; log=$clog
@@ -219,6 +237,7 @@ run_shards() {
   for (( i = 1; i <= nshards; i++ )); do
     QMOE_SANITIZER=$tool QMOE_SKIP_BUILD=1 QMOE_SKIP_CPP=1 PATH="$WRAP:$PATH" QMOE_SANITIZER_EXTRA_ARGS="$extra" \
       QMOE_PYTEST_LOG="$WRAP/pytest_${tool}_shard$i.log" QMOE_SHARD_IDS="$LOGDIR/sanitize_${tool}_shard$i.ids" \
+      QMOE_SHARD_DONE="$LOGDIR/sanitize_${tool}_shard$i.done" \
       PYTHONPATH="$WRAP/py${PYTHONPATH:+:$PYTHONPATH}" \
       run_limited "$left" "$LOGDIR/sanitize_${tool}_shard$i.log" bash scripts/gpu_tests.sh -p qmoe_shard_select -k "$sel" &
     pids[i]=$!
@@ -239,9 +258,15 @@ run_shards() {
     (( rcs[i] == 124 )) && { rc=124; timeouts+=" $i"; }
   done
   skipped=$((skipped + kmax))  # modules skipped at collection: once, as in one run
-  ran="$n tests ($failed failed, $skipped skipped; $nshards shards)"
+  # Ids no shard finished (timed out or never reached): input for QMOE_SANITIZE_IDS in another call.
+  local finished
+  cat "$LOGDIR/sanitize_${tool}_shard"*.done 2>/dev/null | sort -u > "$WRAP/done_$tool"
+  finished=$(wc -l < "$WRAP/done_$tool")
+  grep -Fxv -f "$WRAP/done_$tool" "$ids" > "$LOGDIR/sanitize_${tool}_left.ids"
+  ran="$n tests ($failed failed, $skipped skipped; $nshards shards; $finished of $collected ids finished)"
   [[ -n "$noresult" ]] && ran+=", no result from shard${noresult}"
   [[ -n "$timeouts" ]] && ran+=", timed out: shard${timeouts}"
+  (( finished < collected )) && ran+=", $((collected - finished)) left in sanitize_${tool}_left.ids"
   (( n == 0 && failed == 0 )) && failed=1
   log="$LOGDIR/sanitize_${tool}_shard*.log"
   return 0

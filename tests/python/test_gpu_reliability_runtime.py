@@ -117,7 +117,13 @@ def background_work(stop):
                 sgl.cutlass_w4a8_moe_mm(**gemm_kw(11, 16, 512, 2048, (40,) * 16)[0])
             s.synchronize()
 
-    threads = [threading.Thread(target=f) for f in (matmuls, gemms)]
+    # Under racecheck (qmoe's kernels instrumented, torch's not) a cuBLAS matmul running next to an
+    # instrumented kernel ends in "Internal Sanitizer Error: failed to handle a hardware exception"
+    # (measured 2026-11-30: only with the matmul load; the qmoe load alone and every other tool pass),
+    # so there the load is qmoe's GEMMs only. QMOE_TEST_BACKGROUND=matmul|gemm|matmul,gemm overrides.
+    default = "gemm" if SANITIZER == "racecheck" else "matmul,gemm"
+    kinds = os.environ.get("QMOE_TEST_BACKGROUND", default).split(",")
+    threads = [threading.Thread(target=f) for name, f in (("matmul", matmuls), ("gemm", gemms)) if name in kinds]
     for t in threads:
         t.start()
     return threads
@@ -570,7 +576,8 @@ def test_fault_injected_launch_errors(period, capsys):
     gives the right result or raises the injected error (anything else fails); the deterministic
     result never changes; no device memory leaks; the context stays healthy (a torch op and a
     synchronize at the end). n = 1: every call fails; n >= 11: at least half of the ops also succeed."""
-    env = dict(os.environ, QMOE_TEST_FAIL_LAUNCH=str(period), QMOE_ITERATIONS="30",
+    rounds = "8" if SANITIZER == "racecheck" else "30"  # racecheck: each round is slow (not timed yet)
+    env = dict(os.environ, QMOE_TEST_FAIL_LAUNCH=str(period), QMOE_ITERATIONS=rounds,
                QMOE_TEST_DIR=os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", INJECTION_CHILD], env=env, capture_output=True, text=True,
                           timeout=900)
@@ -579,7 +586,8 @@ def test_fault_injected_launch_errors(period, capsys):
     report(capsys, f"fault_injection period={period}: {json.dumps(result)}")
     injected = sum(s["injected"] for s in result["stats"].values())
     assert injected > 0, "QMOE_TEST_FAIL_LAUNCH had no effect: the library lacks the test hook (cuda_check.cu)"
-    assert result["end"] == result["base"], f"{result['end'] - result['base']} bytes leaked"
+    if not SANITIZER:  # torch's byte count is not exact under compute-sanitizer (see the test above)
+        assert result["end"] == result["base"], f"{result['end'] - result['base']} bytes leaked"
     if period == 1:
         assert all(s["ok"] == 0 for s in result["stats"].values()), result
     if period >= 11:
