@@ -10,7 +10,7 @@
 // uniform routing, T in {1, 8, 64, 256, 1024, 2048, 4096}, every compiled tactic: CUDA events around each launch
 // through the validating API (3 warm-ups, median of 20) and around 32 back-to-back launcher calls
 // (the table uses the latter with QMOE_BENCH_BATCH=1); routings rotated (different experts each
-// launch, weights of all 256 experts >> L2). Filters: QMOE_BENCH_GEMM, QMOE_BENCH_T (comma list),
+// launch, weights of all 256 experts >> L2). Filters: QMOE_BENCH_GEMM, QMOE_BENCH_T (comma list of any T),
 // QMOE_BENCH_TACTIC (a name or "heuristic"), QMOE_BENCH_SHAPES (other E:topk:N:K shapes);
 // --bench-only skips the checks (for profilers).
 // Build: tests/gpu/build_w4a8_check.sh build/w4a8_check. Exit status 0 only when every check
@@ -240,7 +240,8 @@ std::vector<BenchShape> bench_shapes() {
 
 void bench(std::vector<BenchRow>& rows_out) {
   // 1024 and 2048 tokens: 32 and 64 rows per expert, where the mma.sync and WGMMA 64-token tiles compete.
-  const int ts[] = {1, 8, 64, 256, 1024, 2048, 4096};
+  // QMOE_BENCH_T="t1,t2,..." replaces this list (any token counts: tactic sweeps between the defaults).
+  std::vector<int> ts = {1, 8, 64, 256, 1024, 2048, 4096};
   const std::vector<BenchShape> shapes = bench_shapes();
   constexpr int kRoutings = 8, kWarmup = 3, kIters = 20;
   // Optional filters (profiling): QMOE_BENCH_GEMM=<shape index + 1>, QMOE_BENCH_T=<tokens>,
@@ -248,6 +249,16 @@ void bench(std::vector<BenchRow>& rows_out) {
   const char* f_gemm = std::getenv("QMOE_BENCH_GEMM");
   const char* f_t = std::getenv("QMOE_BENCH_T");
   const char* f_tactic = std::getenv("QMOE_BENCH_TACTIC");
+  if (f_t) {
+    ts.clear();
+    for (const char* p = f_t; *p;) {
+      char* end = nullptr;
+      const long v = std::strtol(p, &end, 10);
+      if (end == p) break;
+      if (v > 0) ts.push_back(static_cast<int>(v));
+      p = *end == ',' ? end + 1 : end;
+    }
+  }
   for (int gi = 0; gi < static_cast<int>(shapes.size()); ++gi) {
     if (f_gemm && std::atoi(f_gemm) != gi + 1) continue;
     const int64_t E = shapes[gi].e, topk = shapes[gi].topk, n = shapes[gi].n, k = shapes[gi].k;
@@ -259,7 +270,6 @@ void bench(std::vector<BenchRow>& rows_out) {
     fill_random<<<2048, 256>>>(b, b_bytes, 1234u + gi, 0);
     fill_scales<<<2048, 256>>>(s, s_elems);
     for (int t : ts) {
-      if (f_t && (std::string(",") + f_t + ",").find("," + std::to_string(t) + ",") == std::string::npos) continue;
       const int64_t r = t * topk;
       uint8_t* a = nullptr;
       uint16_t* d = nullptr;
