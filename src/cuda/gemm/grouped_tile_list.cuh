@@ -80,4 +80,33 @@ __device__ __forceinline__ GroupedTile find_tile(int tile, const int32_t* tile_s
   return t;
 }
 
+// This CTA's share of a persistent grid's work list: tile numbers blockIdx.x, blockIdx.x + gridDim.x,
+// ... below total. count is meaningful only when the CTA has a tile (blockIdx.x < total): the kernels
+// return before anything else otherwise.
+template <int TILE_M, int TILE_N>
+struct CtaTiles {
+  const int32_t* tile_start;
+  const int32_t* problem_sizes;
+  const int32_t* expert_offsets;
+  int num_experts;
+  int total;
+  int count;
+  __device__ __forceinline__ bool empty() const { return static_cast<int>(blockIdx.x) >= total; }
+  // The i-th tile of this CTA (0 <= i < count).
+  __device__ __forceinline__ GroupedTile operator[](int i) const {
+    return find_tile<TILE_M, TILE_N>(blockIdx.x + i * gridDim.x, tile_start, num_experts, problem_sizes,
+                                     expert_offsets);
+  }
+};
+
+// Every thread of the block calls this: builds the work list (build_tile_list) and returns this CTA's share.
+template <int THREADS, int TILE_M, int TILE_N>
+__device__ __forceinline__ CtaTiles<TILE_M, TILE_N> cta_tiles(const int32_t* problem_sizes,
+                                                              const int32_t* expert_offsets, int num_experts,
+                                                              int n_tiles, int32_t* tile_start, int32_t* warp_total) {
+  const int total = build_tile_list<THREADS, TILE_N>(problem_sizes, num_experts, n_tiles, tile_start, warp_total);
+  const int count = (total - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
+  return {tile_start, problem_sizes, expert_offsets, num_experts, total, count};
+}
+
 }  // namespace qmoe::cuda

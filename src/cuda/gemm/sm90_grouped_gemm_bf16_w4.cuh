@@ -174,14 +174,10 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   const int stages_per_tile = (groups + GPS - 1) / GPS;
 
   __shared__ int32_t warp_total[kThreads / 32];
-  const int total_tiles = build_tile_list<kThreads, kTileN>(p.problem_sizes, E, n_tiles, tile_start, warp_total);
-  if (static_cast<int>(blockIdx.x) >= total_tiles) return;
-  const int my_tiles = (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
-  const int total_iters = my_tiles * stages_per_tile;
-  auto tile_info = [&](int tile_iter) {
-    return find_tile<kTileM, kTileN>(blockIdx.x + tile_iter * gridDim.x, tile_start, E, p.problem_sizes,
-                                     p.expert_offsets);
-  };
+  const auto tiles =
+      cta_tiles<kThreads, kTileM, kTileN>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
+  if (tiles.empty()) return;
+  const int total_iters = tiles.count * stages_per_tile;
 
   const int64_t row_bytes_b = p.k / 2;
   const int64_t row_bytes_a = static_cast<int64_t>(p.k) * 2;
@@ -209,7 +205,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   auto issue_loads = [&](int it, int stage) {
     const int s = it % stages_per_tile;
     if (s == 0) {
-      const GroupedTile t = tile_info(it / stages_per_tile);
+      const GroupedTile t = tiles[it / stages_per_tile];
       b_src = p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + b_row) * row_bytes_b + b_chunk * 16;
       a_src = reinterpret_cast<const uint8_t*>(p.a) + static_cast<int64_t>(t.row0 + a_row) * row_bytes_a + a_chunk * 16;
       b_valid = a_valid = 0;
@@ -422,42 +418,15 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         constexpr int kMnThreads = WARPS_M * WARPS_N * 32;
         if (!meet_k_warps<WARPS_K, MF, NF, kMnThreads>(acc, park, warp_k, tid % kMnThreads)) continue;
       }
-      // ---- Epilogue: D[row, n] = out(s[row] * (post * acc)); lanes gid, gid ^ 1 swap values so each
-      // stores two adjacent features of one token.
+      // ---- Epilogue: D[row, n] = out(s[row] * (post * acc)).
       constexpr float kPost = F == W4Format::kNvfp4 ? 256.0f : 1.0f;  // undoes the 2^-8 of the NVFP4 decode
-      const GroupedTile t = tile_info(it / stages_per_tile);
-      const bool even = (gid & 1) == 0;
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf) {
-#pragma unroll
-        for (int nf = 0; nf < NF; ++nf) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float v0 = acc[mf][nf][2 * h] * kPost, v1 = acc[mf][nf][2 * h + 1] * kPost;
-            const float recv = __shfl_xor_sync(0xffffffffu, even ? v1 : v0, 4);
-            const float lo = even ? v0 : recv;
-            const float hi = even ? recv : v1;
-            const int token = (warp_n * NF + nf) * 8 + tig * 2 + (even ? 0 : 1);
-            const int n = t.n0 + (warp_m * MF + mf) * 16 + h * 8 + (gid & ~1);
-            if (token < t.rows && n < p.n) {
-              const int row = t.row0 + token;
-              const bool scaled = p.row_scales != nullptr;
-              const float rs = scaled ? p.row_scales[row] : 1.0f;
-              const float out_lo = scaled ? rs * lo : lo, out_hi = scaled ? rs * hi : hi;
-              bool scattered = false;
-              if constexpr (std::is_same<OutT, __nv_bfloat16>::value) {  // GEMM1 (fp32) never scatters
-                if (p.scatter.out != nullptr) {
-                  scatter_add_pair(p.scatter, row, n, out_lo, out_hi);
-                  scattered = true;
-                }
-              }
-              if (!scattered)
-                w4a8::store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, out_lo, out_hi);
-            }
-          }
-          acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.f;
-        }
-      }
+      w4a8::store_fragments<OutT>(acc, tiles[it / stages_per_tile], p, warp_m, warp_n, gid, tig, kPost,
+                                  [&](int row, float lo, float hi, float& out_lo, float& out_hi) {
+                                    const bool scaled = p.row_scales != nullptr;
+                                    const float rs = scaled ? p.row_scales[row] : 1.0f;
+                                    out_lo = scaled ? rs * lo : lo;
+                                    out_hi = scaled ? rs * hi : hi;
+                                  });
     }
   }
   cp_async_wait<0>();

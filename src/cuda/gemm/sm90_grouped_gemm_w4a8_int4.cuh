@@ -170,6 +170,48 @@ __device__ __forceinline__ void store_pair(float* d, float lo, float hi) {
   *reinterpret_cast<float2*>(d) = make_float2(lo, hi);
 }
 
+// Epilogue of the swap-AB mma.sync tiles (this kernel and the bf16 x 4-bit one): one warp's MF x NF
+// fragments (16 weight rows x 8 tokens each) of tile t go to D[row, n] = scaled(row, pre * acc) for
+// the valid (token, n), then acc is zeroed. Lanes gid, gid ^ 1 swap values so that each stores two
+// adjacent features of one token (4-byte bf16 / 8-byte fp32 stores); bf16 outputs scatter into the
+// token rows instead when p.scatter.out is set (the fused finalize; GEMM1's fp32 h never scatters).
+// scale(row, lo, hi, out_lo, out_hi) applies the row's scaling.
+template <typename OutT, int MF, int NF, typename Params, typename Scale>
+__device__ __forceinline__ void store_fragments(float (&acc)[MF][NF][4], const GroupedTile& t, const Params& p,
+                                                int warp_m, int warp_n, int gid, int tig, float pre, Scale scale) {
+  const bool even = (gid & 1) == 0;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // h = 1: rows gid + 8
+        const float v0 = acc[mf][nf][2 * h] * pre, v1 = acc[mf][nf][2 * h + 1] * pre;
+        const float recv = __shfl_xor_sync(0xffffffffu, even ? v1 : v0, 4);
+        const float lo = even ? v0 : recv;
+        const float hi = even ? recv : v1;
+        const int token = (warp_n * NF + nf) * 8 + tig * 2 + (even ? 0 : 1);
+        const int n = t.n0 + (warp_m * MF + mf) * 16 + h * 8 + (gid & ~1);
+        if (token < t.rows && n < p.n) {
+          const int row = t.row0 + token;
+          float out_lo, out_hi;
+          scale(row, lo, hi, out_lo, out_hi);
+          bool scattered = false;
+          if constexpr (std::is_same<OutT, __nv_bfloat16>::value) {
+            if (p.scatter.out != nullptr) {
+              scatter_add_pair(p.scatter, row, n, out_lo, out_hi);
+              scattered = true;
+            }
+          }
+          if (!scattered)
+            store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, out_lo, out_hi);
+        }
+      }
+      acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.f;
+    }
+  }
+}
+
 // 16-byte chunk swizzles (XOR), chosen so that the 8 lanes of a quarter warp (2 rows x 4 `tig`)
 // read 8 different bank groups: activation rows are >= 128 bytes, weight rows are 64 * GPS bytes.
 __device__ __forceinline__ int swizzle_a(int chunk, int row) { return chunk ^ (row & 7); }
@@ -284,15 +326,10 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
 
   // ---- Work list (grouped_tile_list.cuh): exclusive prefix of tiles per expert in smem.
   __shared__ int32_t warp_total[kThreads / 32];
-  const int total_tiles = build_tile_list<kThreads, kTileN>(p.problem_sizes, E, n_tiles, tile_start, warp_total);
-  if (static_cast<int>(blockIdx.x) >= total_tiles) return;
-  const int my_tiles = (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
-  const int total_iters = my_tiles * stages_per_tile;
-
-  auto tile_info = [&](int tile_iter) {
-    return find_tile<kTileM, kTileN>(blockIdx.x + tile_iter * gridDim.x, tile_start, E, p.problem_sizes,
-                                     p.expert_offsets);
-  };
+  const auto tiles =
+      cta_tiles<kThreads, kTileM, kTileN>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
+  if (tiles.empty()) return;
+  const int total_iters = tiles.count * stages_per_tile;
 
   const int64_t row_bytes_b = p.k / 2;
   const int groups_per_kb = p.k / 512;  // packed-4 scale blocks
@@ -322,7 +359,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   auto issue_loads = [&](int it, int stage) {
     const int s = it % stages_per_tile;
     if (s == 0) {
-      const GroupedTile t = tile_info(it / stages_per_tile);
+      const GroupedTile t = tiles[it / stages_per_tile];
       // Weight row of tile row r: row_lo + r, plus row_jump when r >= TILE_M / 2 (only in the fused
       // gated epilogue: gate rows of F features, then their up rows; see the top comment).
       // (The plain kernels keep their exact address arithmetic: if constexpr.)
@@ -535,7 +572,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         if constexpr (kAct) {  // ---- Fused epilogue: A2 and s2 (all threads; see the top comment)
           static_assert(Cfg::kSplitBytes >= kTileM * kTileN * 4, "park holds the tile's h");
           act_requant_epilogue<WARPS_M, WARPS_N, MF, NF, kTileM, kTileN, kThreads>(
-              p, tile_info(it / stages_per_tile), acc, park, k0, warp_m, warp_n, lane, tid);
+              p, tiles[it / stages_per_tile], acc, park, k0, warp_m, warp_n, lane, tid);
           continue;
         }
         if (!k0) continue;
@@ -543,39 +580,13 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       if constexpr (kAct) {
         static_assert(WARPS_K > 1, "the fused epilogue uses the K warps' meeting memory");
       } else {
-        // ---- Epilogue: D[row, n] = out(a_scale(row) * acc). Lanes gid, gid^1 swap values so that
-        // each stores two adjacent features of one token (4-byte bf16 / 8-byte fp32 stores).
-        const GroupedTile t = tile_info(it / stages_per_tile);
-        const bool even = (gid & 1) == 0;
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf) {
-#pragma unroll
-          for (int nf = 0; nf < NF; ++nf) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {  // h = 1: rows gid + 8
-              const float v0 = acc[mf][nf][2 * h], v1 = acc[mf][nf][2 * h + 1];
-              const float recv = __shfl_xor_sync(0xffffffffu, even ? v1 : v0, 4);
-              const float lo = even ? v0 : recv;
-              const float hi = even ? recv : v1;
-              const int token = (warp_n * NF + nf) * 8 + tig * 2 + (even ? 0 : 1);
-              const int n = t.n0 + (warp_m * MF + mf) * 16 + h * 8 + (gid & ~1);
-              if (token < t.rows && n < p.n) {
-                const int row = t.row0 + token;
-                const float as = p.a_scales[p.a_scales_per_row ? row : 0];
-                bool scattered = false;
-                if constexpr (std::is_same<OutT, __nv_bfloat16>::value) {  // GEMM1 (fp32) never scatters
-                  if (p.scatter.out != nullptr) {
-                    scatter_add_pair(p.scatter, row, n, as * lo, as * hi);
-                    scattered = true;
-                  }
-                }
-                if (!scattered)
-                  store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, as * lo, as * hi);
-              }
-            }
-            acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.f;
-          }
-        }
+        // ---- Epilogue: D[row, n] = out(a_scale(row) * acc).
+        store_fragments<OutT>(acc, tiles[it / stages_per_tile], p, warp_m, warp_n, gid, tig, 1.0f,
+                              [&](int row, float lo, float hi, float& out_lo, float& out_hi) {
+                                const float as = p.a_scales[p.a_scales_per_row ? row : 0];
+                                out_lo = as * lo;
+                                out_hi = as * hi;
+                              });
       }
     }
   }

@@ -188,21 +188,16 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const W
   const int groups = p.k / kGroup;
 
   // ---- Work list (grouped_tile_list.cuh).
-  const int total_tiles = build_tile_list<kThreads, kTileN>(p.problem_sizes, E, n_tiles, tile_start, warp_total);
-  if (static_cast<int>(blockIdx.x) >= total_tiles) return;
-  const int my_tiles = (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
-  const int total_iters = my_tiles * groups;
-
-  auto tile_of = [&](int tile_iter) {
-    return find_tile<kTileM, kTileN>(blockIdx.x + tile_iter * gridDim.x, tile_start, E, p.problem_sizes,
-                                     p.expert_offsets);
-  };
+  const auto tiles =
+      cta_tiles<kThreads, kTileM, kTileN>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
+  if (tiles.empty()) return;
+  const int total_iters = tiles.count * groups;
 
   // ---- Producer: every thread copies its share of each stage (load_stage).
   GroupedTile load_tile{0, 0, 0, 0};
   auto issue_loads = [&](int it) {
     const int g = it % groups;
-    if (g == 0) load_tile = tile_of(it / groups);
+    if (g == 0) load_tile = tiles[it / groups];
     load_stage<kTileN, kThreads>(p, load_tile, g, smem_u32(stages + (it % kStages) * S::kStageBytes), tid);
   };
 
@@ -287,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const W
 
     if (g == groups - 1) {
       // Epilogue: accumulator (row r, token column 8 j + 2 tig + h) -> D[token, feature].
-      const GroupedTile t = tile_of(it / groups);
+      const GroupedTile t = tiles[it / groups];
       const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
 #pragma unroll
       for (int j = 0; j < kTileN / 8; ++j) {
@@ -393,14 +388,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
   const int n_tiles = (p.n + kTileM - 1) / kTileM;
   const int groups = p.k / kGroup;
   // (its barriers also publish the mbarrier initialisation)
-  const int total_tiles = build_tile_list<kThreads, TILE_N>(p.problem_sizes, E, n_tiles, tile_start, warp_total);
-  if (static_cast<int>(blockIdx.x) >= total_tiles) return;
-  const int my_tiles = (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
-  const int total_iters = my_tiles * groups;
-  auto tile_of = [&](int tile_iter) {
-    return find_tile<kTileM, TILE_N>(blockIdx.x + tile_iter * gridDim.x, tile_start, E, p.problem_sizes,
-                                     p.expert_offsets);
-  };
+  const auto tiles =
+      cta_tiles<kThreads, kTileM, TILE_N>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
+  if (tiles.empty()) return;
+  const int total_iters = tiles.count * groups;
 
   if (wg == 0) {
     // ---- Loading warpgroup: stage it % kStages once the computing warpgroups released it.
@@ -408,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
     GroupedTile t{0, 0, 0, 0};
     for (int it = 0; it < total_iters; ++it) {
       const int g = it % groups, s = it % kStages;
-      if (g == 0) t = tile_of(it / groups);
+      if (g == 0) t = tiles[it / groups];
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
       wgmma_prefill::load_stage<TILE_N, 128>(p, t, g, wgmma_prefill::smem_u32(stages + s * S::kStageBytes), tid);
       mbar_arrive_cp_async(&full[s]);
@@ -468,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
   }
   for (int it = 0; it < total_iters; ++it) {
     const int g = it % groups, s = it % kStages;
-    if (g == 0) t = tile_of(it / groups);
+    if (g == 0) t = tiles[it / groups];
     const uint8_t* st = stages + s * S::kStageBytes;
     const uint64_t desc = wgmma_prefill::make_desc_sw128(wgmma_prefill::smem_u32(st));
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
