@@ -113,6 +113,14 @@ struct RoutingBuffers {
   int32_t* input_permutation;   // [S]
   int32_t* output_permutation;  // [S]
 };
+// The routing sub-buffers of a pipeline's workspace at base: both layouts of fused_moe_workspace.h
+// start with them (take_routing) under the same names.
+template <class Layout>
+RoutingBuffers routing_buffers(const Layout& l, uint8_t* base) {
+  auto at = [base](int64_t offset) { return reinterpret_cast<int32_t*>(base + offset); };
+  return {at(l.local_ids),         at(l.expert_offsets),    at(l.problem_sizes1),
+          at(l.problem_sizes2),    at(l.input_permutation), at(l.output_permutation)};
+}
 // Local expert ids, then moe_mm_data over the local experts (N = I for GEMM1's sizes, as SGLang's op).
 RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& buffers, int64_t hidden, int64_t inter,
                                cudaStream_t stream);

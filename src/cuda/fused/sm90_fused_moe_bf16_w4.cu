@@ -96,12 +96,7 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   const FusedMoeBf16W4WorkspaceLayout layout = fused_moe_bf16_w4_workspace_layout(slots, local, hidden, inter, rows1);
   uint8_t* base = static_cast<uint8_t*>(workspace);
   auto at = [base](int64_t offset) { return base + offset; };
-  int32_t* local_ids = reinterpret_cast<int32_t*>(at(layout.local_ids));
-  int32_t* offsets = reinterpret_cast<int32_t*>(at(layout.expert_offsets));
-  int32_t* sizes1 = reinterpret_cast<int32_t*>(at(layout.problem_sizes1));
-  int32_t* sizes2 = reinterpret_cast<int32_t*>(at(layout.problem_sizes2));
-  int32_t* in_perm = reinterpret_cast<int32_t*>(at(layout.input_permutation));
-  int32_t* out_perm = reinterpret_cast<int32_t*>(at(layout.output_permutation));
+  const fused::RoutingBuffers rb = fused::routing_buffers(layout, base);
   uint16_t* a1 = reinterpret_cast<uint16_t*>(at(layout.a1));
   float* s1 = reinterpret_cast<float*>(at(layout.s1));
   float* h = reinterpret_cast<float*>(at(layout.h));
@@ -110,12 +105,11 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   uint16_t* y = reinterpret_cast<uint16_t*>(at(layout.y));  // == a1 (fused_moe_workspace.h)
 
   // The fused finalize: GEMM2 adds into the zeroed output (memset forked onto aux_stream, if any).
-  const RowScatterAdd scatter = fused::fused_finalize_scatter(p, in_perm, slot_rows, gemm2_tactic);
+  const RowScatterAdd scatter = fused::fused_finalize_scatter(p, rb.input_permutation, slot_rows, gemm2_tactic);
   if (scatter.out != nullptr) fused::zero_output_fork(p, stream);
 
   // 1-2. Routing over the local experts (as the w4a8_int4 pipeline).
-  const fused::RowRouting routing = fused::route_local_experts(
-      p, fused::RoutingBuffers{local_ids, offsets, sizes1, sizes2, in_perm, out_perm}, hidden, inter, stream);
+  const fused::RowRouting routing = fused::route_local_experts(p, rb, hidden, inter, stream);
 
   // 3. GEMM1's bf16 operand and per-row scale.
   fused::gather_dequantize(routing, activation_input(mode), p.x.data,
@@ -136,7 +130,7 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
     g.row_scales = s;
     g.d = d;
     g.d_fp32 = d_fp32;
-    g.expert_offsets = offsets;
+    g.expert_offsets = rb.offsets;
     g.problem_sizes = sizes;
     g.num_experts = static_cast<int>(local);
     g.n = static_cast<int>(n);
@@ -147,7 +141,7 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   };
 
   // 4. GEMM1 into fp32 h.
-  grouped_gemm(h, true, rows1, a1, hidden, p.w1, p.w1_scale, s1, sizes1, gemm1_tactic, RowScatterAdd{});
+  grouped_gemm(h, true, rows1, a1, hidden, p.w1, p.w1_scale, s1, rb.sizes1, gemm1_tactic, RowScatterAdd{});
 
   // 5. Activation and the bf16 intermediate.
   const fused::ActivationArgs act{p.activation,  p.gate_up_layout, p.swiglu_alpha,
@@ -159,10 +153,10 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   // 6. GEMM2 into bf16 rows (over a1's bytes: GEMM1 has run), or (fused finalize) added into the
   // zeroed output.
   if (scatter.out != nullptr) fused::zero_output_join(p, stream);
-  grouped_gemm(y, false, hidden, a2, inter, p.w2, p.w2_scale, s2, sizes2, gemm2_tactic, scatter);
+  grouped_gemm(y, false, hidden, a2, inter, p.w2, p.w2_scale, s2, rb.sizes2, gemm2_tactic, scatter);
 
   // 7. Back to token order (or, for moe_expert_rows, to flat slot order without combining).
-  if (scatter.out == nullptr) fused::finish_rows(p, y, out_perm, hidden, slot_rows, stream);
+  if (scatter.out == nullptr) fused::finish_rows(p, y, rb.output_permutation, hidden, slot_rows, stream);
 }
 
 }  // namespace qmoe::cuda

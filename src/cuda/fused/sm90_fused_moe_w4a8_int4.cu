@@ -76,12 +76,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   const FusedMoeWorkspaceLayout layout = fused_moe_workspace_layout(slots, local, hidden, inter, rows1);
   uint8_t* base = static_cast<uint8_t*>(workspace);
   auto at = [base](int64_t offset) { return base + offset; };
-  int32_t* local_ids = reinterpret_cast<int32_t*>(at(layout.local_ids));
-  int32_t* offsets = reinterpret_cast<int32_t*>(at(layout.expert_offsets));
-  int32_t* sizes1 = reinterpret_cast<int32_t*>(at(layout.problem_sizes1));
-  int32_t* sizes2 = reinterpret_cast<int32_t*>(at(layout.problem_sizes2));
-  int32_t* in_perm = reinterpret_cast<int32_t*>(at(layout.input_permutation));
-  int32_t* out_perm = reinterpret_cast<int32_t*>(at(layout.output_permutation));
+  const fused::RoutingBuffers rb = fused::routing_buffers(layout, base);
   uint8_t* a1 = at(layout.a1);
   float* s1 = reinterpret_cast<float*>(at(layout.s1));
   float* h = reinterpret_cast<float*>(at(layout.h));
@@ -98,12 +93,11 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     check_cuda(cudaMemsetAsync(scalars, 0, 4 * FusedMoeWorkspaceLayout::kScalars, stream),
                "cudaMemsetAsync(fused_moe amax)");
   // The fused finalize: GEMM2 adds into the zeroed output (memset forked onto aux_stream, if any).
-  const RowScatterAdd scatter = fused::fused_finalize_scatter(p, in_perm, slot_rows, gemm2_tactic);
+  const RowScatterAdd scatter = fused::fused_finalize_scatter(p, rb.input_permutation, slot_rows, gemm2_tactic);
   if (scatter.out != nullptr) fused::zero_output_fork(p, stream);
 
   // 1-2. Routing over the local experts.
-  const fused::RowRouting routing = fused::route_local_experts(
-      p, fused::RoutingBuffers{local_ids, offsets, sizes1, sizes2, in_perm, out_perm}, hidden, inter, stream);
+  const fused::RowRouting routing = fused::route_local_experts(p, rb, hidden, inter, stream);
 
   // 3-4. GEMM1's operand and per-row scale.
   const bool x_is_e4m3 = p.x.dtype == DType::kFloat8E4M3;
@@ -123,7 +117,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     g.b = w;
     g.a_scales = device_tensor(s, DType::kFloat32, {slots}, device);
     g.b_scales = w_scale;
-    g.expert_offsets = device_tensor(offsets, DType::kInt32, {local}, device);
+    g.expert_offsets = device_tensor(rb.offsets, DType::kInt32, {local}, device);
     g.problem_sizes = device_tensor(sizes, DType::kInt32, {local, 3}, device);
     g.topk = topk;
     w4a8_moe_mm(g, tactic, stream, sc);
@@ -143,8 +137,8 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     g.b = p.w1;
     g.a_scales = device_tensor(s1, DType::kFloat32, {slots}, device);
     g.b_scales = p.w1_scale;
-    g.expert_offsets = device_tensor(offsets, DType::kInt32, {local}, device);
-    g.problem_sizes = device_tensor(sizes1, DType::kInt32, {local, 3}, device);
+    g.expert_offsets = device_tensor(rb.offsets, DType::kInt32, {local}, device);
+    g.problem_sizes = device_tensor(rb.sizes1, DType::kInt32, {local, 3}, device);
     g.topk = topk;
     ActRequantEpilogue ep;
     ep.a2 = a2;
@@ -156,7 +150,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     w4a8_moe_mm_act_requant(g, gemm1_tactic, stream, ep);
   } else {
     // 5. GEMM1 into fp32 h.
-    grouped_gemm(h, DType::kFloat32, rows1, a1, hidden, p.w1, p.w1_scale, s1, sizes1, gemm1_tactic, RowScatterAdd{});
+    grouped_gemm(h, DType::kFloat32, rows1, a1, hidden, p.w1, p.w1_scale, s1, rb.sizes1, gemm1_tactic, RowScatterAdd{});
 
     // 6-7. Activation and requantization.
     if (dynamic_a2) fused::activation_amax(routing, h, rows1, inter, act, amax_act, stream);
@@ -167,10 +161,10 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
 
   // 8. GEMM2 into bf16 rows, or (fused finalize) added into the zeroed output.
   if (scatter.out != nullptr) fused::zero_output_join(p, stream);
-  grouped_gemm(y, DType::kBFloat16, hidden, a2, inter, p.w2, p.w2_scale, s2, sizes2, gemm2_tactic, scatter);
+  grouped_gemm(y, DType::kBFloat16, hidden, a2, inter, p.w2, p.w2_scale, s2, rb.sizes2, gemm2_tactic, scatter);
 
   // 9. Back to token order (or, for moe_expert_rows, to flat slot order without combining).
-  if (scatter.out == nullptr) fused::finish_rows(p, y, out_perm, hidden, slot_rows, stream);
+  if (scatter.out == nullptr) fused::finish_rows(p, y, rb.output_permutation, hidden, slot_rows, stream);
 }
 
 }  // namespace qmoe::cuda
