@@ -20,7 +20,7 @@
 #include "qmoe/expert_parallel.h"
 #include "qmoe/formats.h"
 #include "qmoe/tactics.h"
-#include "reference/f16_bits.h"
+#include "reference/out_element.h"
 
 namespace qmoe::ep {
 
@@ -186,12 +186,7 @@ void sum_partials(const Plan& plan, const uint8_t* partials, const int32_t* inde
   }
   const int64_t T = output.size(0), H = output.size(1), W = plan.world;
   auto load = [&](int64_t row, int64_t c) {
-    const uint8_t* at = partials + row * plan.partial_bytes;
-    switch (output.dtype) {
-      case DType::kBFloat16: return bf16_to_float(reinterpret_cast<const uint16_t*>(at)[c]);
-      case DType::kFloat16: return half_bits_to_float(reinterpret_cast<const uint16_t*>(at)[c]);
-      default: return reinterpret_cast<const float*>(at)[c];
-    }
+    return load_out_element(output.dtype, partials + row * plan.partial_bytes, c);
   };
   for (int64_t t = 0; t < T; ++t)
     for (int64_t c = 0; c < H; ++c) {
@@ -200,11 +195,7 @@ void sum_partials(const Plan& plan, const uint8_t* partials, const int32_t* inde
         const int64_t row = index != nullptr ? index[d * T + t] : d * plan.capacity + t;
         if (row >= 0) acc += load(row, c);
       }
-      switch (output.dtype) {
-        case DType::kBFloat16: output.ptr<uint16_t>()[t * H + c] = float_to_bf16(acc); break;
-        case DType::kFloat16: output.ptr<uint16_t>()[t * H + c] = float_to_half_bits(acc); break;
-        default: output.ptr<float>()[t * H + c] = acc; break;
-      }
+      store_out_element(output.dtype, output.data, t * H + c, acc);
     }
 }
 

@@ -63,6 +63,7 @@
 #include "qmoe/fused_moe.h"
 #include "reference/activations.h"
 #include "reference/f16_bits.h"
+#include "reference/out_element.h"
 
 namespace qmoe::reference {
 
@@ -136,13 +137,7 @@ float round_to(DType dtype, float v) {
     default: return v;
   }
 }
-void store(const TensorRef& out, int64_t index, float v) {
-  switch (out.dtype) {
-    case DType::kBFloat16: out.ptr<uint16_t>()[index] = float_to_bf16(v); break;
-    case DType::kFloat16: out.ptr<uint16_t>()[index] = float_to_half_bits(v); break;
-    default: out.ptr<float>()[index] = v; break;
-  }
-}
+void store(const TensorRef& out, int64_t index, float v) { store_out_element(out.dtype, out.data, index, v); }
 
 float opt_at(const std::optional<TensorRef>& t, int64_t index, float fallback) {
   return t ? t->ptr<const float>()[t->numel() == 1 ? 0 : index] : fallback;
