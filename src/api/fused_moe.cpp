@@ -329,21 +329,8 @@ void validate_moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows) {
 
 namespace {
 
-// Sizes of one (validated) problem, as the GPU pipeline sees them.
-struct GpuDims {
-  int64_t tokens, topk, slots, hidden, inter, rows1, local;
-};
-GpuDims gpu_dims(const FusedMoeParams& p) {
-  GpuDims d;
-  d.tokens = p.topk_ids.size(0);
-  d.topk = p.topk_ids.size(1);
-  d.slots = d.tokens * d.topk;
-  d.hidden = p.w2.size(1);
-  d.inter = 2 * p.w2.size(2);
-  d.rows1 = p.activation != Activation::kRelu2 ? 2 * d.inter : d.inter;
-  d.local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
-  return d;
-}
+using GpuDims = cuda::FusedMoeDims;  // sizes of one validated problem, as the GPU pipeline sees them
+GpuDims gpu_dims(const FusedMoeParams& p) { return cuda::fused_moe_dims(p); }
 
 // Every quant mode has a GPU pipeline: w4a8_int4 its own (int4 x e4m3 GEMMs), the others the
 // bf16 x 4-bit one.

@@ -33,7 +33,25 @@
 
 #include <cstdint>
 
+#include "qmoe/fused_moe.h"
+
 namespace qmoe::cuda {
+
+// Sizes of one validated call as the GPU pipelines see them (also the workspace size's inputs).
+struct FusedMoeDims {
+  int64_t tokens, topk, slots, hidden, inter, rows1, local;
+};
+inline FusedMoeDims fused_moe_dims(const FusedMoeParams& p) {
+  FusedMoeDims d;
+  d.tokens = p.topk_ids.size(0);
+  d.topk = p.topk_ids.size(1);
+  d.slots = d.tokens * d.topk;
+  d.hidden = p.w2.size(1);
+  d.inter = 2 * p.w2.size(2);
+  d.rows1 = p.activation != Activation::kRelu2 ? 2 * d.inter : d.inter;  // W1 rows: 2I gated, I for ReLU^2
+  d.local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
+  return d;
+}
 
 namespace workspace_detail {
 // Hands out consecutive sub-buffers, each rounded up to `align` bytes.

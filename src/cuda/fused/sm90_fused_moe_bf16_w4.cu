@@ -82,18 +82,13 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   if (mode == QuantMode::kW4A8Int4)  // a caller bug, not a user error: that mode has its own pipeline
     throw Error("quant_mode", "w4a16, w4a16_int4, w4a4 or w4a8 (fused_moe_bf16_w4)", "w4a8_int4",
                 ErrorKind::kRuntime);
-  const int64_t tokens = p.topk_ids.size(0), topk = p.topk_ids.size(1);
-  const int64_t slots = tokens * topk;
-  const int64_t hidden = p.w2.size(1), inter = 2 * p.w2.size(2);
-  const int64_t local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
-  const bool gated = p.activation != Activation::kRelu2;
-  const int64_t rows1 = gated ? 2 * inter : inter;
-  if (tokens == 0) return;  // an empty [0, H] output: nothing to write
+  const FusedMoeDims dims = fused_moe_dims(p);
+  if (dims.tokens == 0) return;  // an empty [0, H] output: nothing to write
   const int device = p.x.device_index;
   DeviceGuard current(device);
   PdlScope pdl(p.enable_pdl);  // every launch of this call (cuda/common/pdl.cuh)
 
-  const FusedMoeBf16W4WorkspaceLayout layout = fused_moe_bf16_w4_workspace_layout(slots, local, hidden, inter, rows1);
+  const FusedMoeBf16W4WorkspaceLayout layout = fused_moe_bf16_w4_workspace_layout(dims.slots, dims.local, dims.hidden, dims.inter, dims.rows1);
   uint8_t* base = static_cast<uint8_t*>(workspace);
   auto at = [base](int64_t offset) { return base + offset; };
   const fused::RoutingBuffers rb = fused::routing_buffers(layout, base);
@@ -109,11 +104,11 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   if (scatter.out != nullptr) fused::zero_output_fork(p, stream);
 
   // 1-2. Routing over the local experts (as the w4a8_int4 pipeline).
-  const fused::RowRouting routing = fused::route_local_experts(p, rb, hidden, inter, stream);
+  const fused::RowRouting routing = fused::route_local_experts(p, rb, dims.hidden, dims.inter, stream);
 
   // 3. GEMM1's bf16 operand and per-row scale.
   fused::gather_dequantize(routing, activation_input(mode), p.x.data,
-                           p.x_scale ? p.x_scale->ptr<const uint8_t>() : nullptr, hidden,
+                           p.x_scale ? p.x_scale->ptr<const uint8_t>() : nullptr, dims.hidden,
                            optional_f32(p.per_token_scale), optional_f32(p.w1_alpha), a1, s1, stream);
 
   // One grouped GEMM of the pipeline: d [slots, n] = a [slots, k] x w^T, per-row scale s; the expert
@@ -132,31 +127,31 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
     g.d_fp32 = d_fp32;
     g.expert_offsets = rb.offsets;
     g.problem_sizes = sizes;
-    g.num_experts = static_cast<int>(local);
+    g.num_experts = static_cast<int>(dims.local);
     g.n = static_cast<int>(n);
     g.k = static_cast<int>(k);
-    g.max_rows = slots;
+    g.max_rows = dims.slots;
     g.scatter = sc;
     bf16_w4_moe_mm(g, tactic, stream);
   };
 
   // 4. GEMM1 into fp32 h.
-  grouped_gemm(h, true, rows1, a1, hidden, p.w1, p.w1_scale, s1, rb.sizes1, gemm1_tactic, RowScatterAdd{});
+  grouped_gemm(h, true, dims.rows1, a1, dims.hidden, p.w1, p.w1_scale, s1, rb.sizes1, gemm1_tactic, RowScatterAdd{});
 
   // 5. Activation and the bf16 intermediate.
   const fused::ActivationArgs act{p.activation,  p.gate_up_layout, p.swiglu_alpha,
                                   p.swiglu_beta, p.swiglu_limit,   p.situ_beta,
                                   p.situ_linear_beta.has_value(),  p.situ_linear_beta.value_or(1.0f)};
-  fused::activation_requant_bf16(routing, h, rows1, inter, act, requant_of(p), optional_f32(p.fc2_input_scale),
+  fused::activation_requant_bf16(routing, h, dims.rows1, dims.inter, act, requant_of(p), optional_f32(p.fc2_input_scale),
                                  optional_f32(p.w2_alpha), a2, s2, stream);
 
   // 6. GEMM2 into bf16 rows (over a1's bytes: GEMM1 has run), or (fused finalize) added into the
   // zeroed output.
   if (scatter.out != nullptr) fused::zero_output_join(p, stream);
-  grouped_gemm(y, false, hidden, a2, inter, p.w2, p.w2_scale, s2, rb.sizes2, gemm2_tactic, scatter);
+  grouped_gemm(y, false, dims.hidden, a2, dims.inter, p.w2, p.w2_scale, s2, rb.sizes2, gemm2_tactic, scatter);
 
   // 7. Back to token order (or, for moe_expert_rows, to flat slot order without combining).
-  if (scatter.out == nullptr) fused::finish_rows(p, y, rb.output_permutation, hidden, slot_rows, stream);
+  if (scatter.out == nullptr) fused::finish_rows(p, y, rb.output_permutation, dims.hidden, slot_rows, stream);
 }
 
 }  // namespace qmoe::cuda

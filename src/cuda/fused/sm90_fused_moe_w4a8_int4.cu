@@ -62,18 +62,13 @@ bool fused_epilogue_allowed() {
 
 void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, const Tactic& gemm2_tactic,
                          void* workspace, void* slot_rows, cudaStream_t stream) {
-  const int64_t tokens = p.topk_ids.size(0), topk = p.topk_ids.size(1);
-  const int64_t slots = tokens * topk;
-  const int64_t hidden = p.w2.size(1), inter = 2 * p.w2.size(2);
-  const int64_t local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
-  const bool gated = p.activation != Activation::kRelu2;
-  const int64_t rows1 = gated ? 2 * inter : inter;
-  if (tokens == 0) return;  // an empty [0, H] output: nothing to write
+  const FusedMoeDims dims = fused_moe_dims(p);
+  if (dims.tokens == 0) return;  // an empty [0, H] output: nothing to write
   const int device = p.x.device_index;
   DeviceGuard current(device);
   PdlScope pdl(p.enable_pdl);  // every launch of this call (cuda/common/pdl.cuh)
 
-  const FusedMoeWorkspaceLayout layout = fused_moe_workspace_layout(slots, local, hidden, inter, rows1);
+  const FusedMoeWorkspaceLayout layout = fused_moe_workspace_layout(dims.slots, dims.local, dims.hidden, dims.inter, dims.rows1);
   uint8_t* base = static_cast<uint8_t*>(workspace);
   auto at = [base](int64_t offset) { return base + offset; };
   const fused::RoutingBuffers rb = fused::routing_buffers(layout, base);
@@ -97,12 +92,12 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   if (scatter.out != nullptr) fused::zero_output_fork(p, stream);
 
   // 1-2. Routing over the local experts.
-  const fused::RowRouting routing = fused::route_local_experts(p, rb, hidden, inter, stream);
+  const fused::RowRouting routing = fused::route_local_experts(p, rb, dims.hidden, dims.inter, stream);
 
   // 3-4. GEMM1's operand and per-row scale.
   const bool x_is_e4m3 = p.x.dtype == DType::kFloat8E4M3;
   if (dynamic_a1) fused::amax_bf16(p.x.ptr<const uint16_t>(), p.x.numel(), amax_x, stream);
-  fused::gather_quantize(routing, p.x.data, x_is_e4m3, hidden, dynamic_a1 ? nullptr : p.x_scale->ptr<const float>(),
+  fused::gather_quantize(routing, p.x.data, x_is_e4m3, dims.hidden, dynamic_a1 ? nullptr : p.x_scale->ptr<const float>(),
                          !dynamic_a1 && p.x_scale->numel() > 1, amax_x,
                          p.w1_alpha ? p.w1_alpha->ptr<const float>() : nullptr, a1, s1, stream);
 
@@ -112,14 +107,14 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
                           const TensorRef& w_scale, float* s, int32_t* sizes, const Tactic& tactic,
                           const RowScatterAdd& sc) {
     W4A8MoeMmArgs g;
-    g.d = device_tensor(d, d_dtype, {slots, d_cols}, device);
-    g.a = device_tensor(a, DType::kFloat8E4M3, {slots, a_cols}, device);
+    g.d = device_tensor(d, d_dtype, {dims.slots, d_cols}, device);
+    g.a = device_tensor(a, DType::kFloat8E4M3, {dims.slots, a_cols}, device);
     g.b = w;
-    g.a_scales = device_tensor(s, DType::kFloat32, {slots}, device);
+    g.a_scales = device_tensor(s, DType::kFloat32, {dims.slots}, device);
     g.b_scales = w_scale;
-    g.expert_offsets = device_tensor(rb.offsets, DType::kInt32, {local}, device);
-    g.problem_sizes = device_tensor(sizes, DType::kInt32, {local, 3}, device);
-    g.topk = topk;
+    g.expert_offsets = device_tensor(rb.offsets, DType::kInt32, {dims.local}, device);
+    g.problem_sizes = device_tensor(sizes, DType::kInt32, {dims.local, 3}, device);
+    g.topk = dims.topk;
     w4a8_moe_mm(g, tactic, stream, sc);
   };
 
@@ -127,44 +122,44 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
                                   p.swiglu_beta, p.swiglu_limit,   p.situ_beta,
                                   p.situ_linear_beta.has_value(),  p.situ_linear_beta.value_or(1.0f)};
   const bool fuse_activation = !dynamic_a2 && fused_epilogue_allowed() &&
-                               act_requant_supported(gemm1_tactic, rows1, inter, p.activation) &&
-                               act_requant_pays(gemm1_tactic, slots, local, rows1, device);
+                               act_requant_supported(gemm1_tactic, dims.rows1, dims.inter, p.activation) &&
+                               act_requant_pays(gemm1_tactic, dims.slots, dims.local, dims.rows1, device);
   if (fuse_activation) {
     // 5-7. GEMM1 with the activation and the requantization as its epilogue: A2 and s2, no h.
     W4A8MoeMmArgs g;
-    g.d = device_tensor(h, DType::kFloat32, {slots, rows1}, device);  // shape only: not written
-    g.a = device_tensor(a1, DType::kFloat8E4M3, {slots, hidden}, device);
+    g.d = device_tensor(h, DType::kFloat32, {dims.slots, dims.rows1}, device);  // shape only: not written
+    g.a = device_tensor(a1, DType::kFloat8E4M3, {dims.slots, dims.hidden}, device);
     g.b = p.w1;
-    g.a_scales = device_tensor(s1, DType::kFloat32, {slots}, device);
+    g.a_scales = device_tensor(s1, DType::kFloat32, {dims.slots}, device);
     g.b_scales = p.w1_scale;
-    g.expert_offsets = device_tensor(rb.offsets, DType::kInt32, {local}, device);
-    g.problem_sizes = device_tensor(rb.sizes1, DType::kInt32, {local, 3}, device);
-    g.topk = topk;
+    g.expert_offsets = device_tensor(rb.offsets, DType::kInt32, {dims.local}, device);
+    g.problem_sizes = device_tensor(rb.sizes1, DType::kInt32, {dims.local, 3}, device);
+    g.topk = dims.topk;
     ActRequantEpilogue ep;
     ep.a2 = a2;
     ep.s2 = s2;
     ep.a2_scale = p.fc2_input_scale->ptr<const float>();
     ep.w2_alpha = p.w2_alpha ? p.w2_alpha->ptr<const float>() : nullptr;
-    ep.inter = static_cast<int>(inter);
+    ep.inter = static_cast<int>(dims.inter);
     ep.act = act;
     w4a8_moe_mm_act_requant(g, gemm1_tactic, stream, ep);
   } else {
     // 5. GEMM1 into fp32 h.
-    grouped_gemm(h, DType::kFloat32, rows1, a1, hidden, p.w1, p.w1_scale, s1, rb.sizes1, gemm1_tactic, RowScatterAdd{});
+    grouped_gemm(h, DType::kFloat32, dims.rows1, a1, dims.hidden, p.w1, p.w1_scale, s1, rb.sizes1, gemm1_tactic, RowScatterAdd{});
 
     // 6-7. Activation and requantization.
-    if (dynamic_a2) fused::activation_amax(routing, h, rows1, inter, act, amax_act, stream);
-    fused::activation_requant(routing, h, rows1, inter, act,
+    if (dynamic_a2) fused::activation_amax(routing, h, dims.rows1, dims.inter, act, amax_act, stream);
+    fused::activation_requant(routing, h, dims.rows1, dims.inter, act,
                               dynamic_a2 ? nullptr : p.fc2_input_scale->ptr<const float>(), amax_act,
                               p.w2_alpha ? p.w2_alpha->ptr<const float>() : nullptr, a2, s2, stream);
   }
 
   // 8. GEMM2 into bf16 rows, or (fused finalize) added into the zeroed output.
   if (scatter.out != nullptr) fused::zero_output_join(p, stream);
-  grouped_gemm(y, DType::kBFloat16, hidden, a2, inter, p.w2, p.w2_scale, s2, rb.sizes2, gemm2_tactic, scatter);
+  grouped_gemm(y, DType::kBFloat16, dims.hidden, a2, dims.inter, p.w2, p.w2_scale, s2, rb.sizes2, gemm2_tactic, scatter);
 
   // 9. Back to token order (or, for moe_expert_rows, to flat slot order without combining).
-  if (scatter.out == nullptr) fused::finish_rows(p, y, rb.output_permutation, hidden, slot_rows, stream);
+  if (scatter.out == nullptr) fused::finish_rows(p, y, rb.output_permutation, dims.hidden, slot_rows, stream);
 }
 
 }  // namespace qmoe::cuda
