@@ -88,7 +88,8 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   DeviceGuard current(device);
   PdlScope pdl(p.enable_pdl);  // every launch of this call (cuda/common/pdl.cuh)
 
-  const FusedMoeBf16W4WorkspaceLayout layout = fused_moe_bf16_w4_workspace_layout(dims.slots, dims.local, dims.hidden, dims.inter, dims.rows1);
+  const FusedMoeBf16W4WorkspaceLayout layout =
+      fused_moe_bf16_w4_workspace_layout(dims.slots, dims.local, dims.hidden, dims.inter, dims.rows1);
   uint8_t* base = static_cast<uint8_t*>(workspace);
   auto at = [base](int64_t offset) { return base + offset; };
   const fused::RoutingBuffers rb = fused::routing_buffers(layout, base);
@@ -142,8 +143,8 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   const fused::ActivationArgs act{p.activation,  p.gate_up_layout, p.swiglu_alpha,
                                   p.swiglu_beta, p.swiglu_limit,   p.situ_beta,
                                   p.situ_linear_beta.has_value(),  p.situ_linear_beta.value_or(1.0f)};
-  fused::activation_requant_bf16(routing, h, dims.rows1, dims.inter, act, requant_of(p), optional_f32(p.fc2_input_scale),
-                                 optional_f32(p.w2_alpha), a2, s2, stream);
+  fused::activation_requant_bf16(routing, h, dims.rows1, dims.inter, act, requant_of(p),
+                                 optional_f32(p.fc2_input_scale), optional_f32(p.w2_alpha), a2, s2, stream);
 
   // 6. GEMM2 into bf16 rows (over a1's bytes: GEMM1 has run), or (fused finalize) added into the
   // zeroed output.

@@ -68,7 +68,8 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   DeviceGuard current(device);
   PdlScope pdl(p.enable_pdl);  // every launch of this call (cuda/common/pdl.cuh)
 
-  const FusedMoeWorkspaceLayout layout = fused_moe_workspace_layout(dims.slots, dims.local, dims.hidden, dims.inter, dims.rows1);
+  const FusedMoeWorkspaceLayout layout =
+      fused_moe_workspace_layout(dims.slots, dims.local, dims.hidden, dims.inter, dims.rows1);
   uint8_t* base = static_cast<uint8_t*>(workspace);
   auto at = [base](int64_t offset) { return base + offset; };
   const fused::RoutingBuffers rb = fused::routing_buffers(layout, base);
@@ -97,8 +98,8 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   // 3-4. GEMM1's operand and per-row scale.
   const bool x_is_e4m3 = p.x.dtype == DType::kFloat8E4M3;
   if (dynamic_a1) fused::amax_bf16(p.x.ptr<const uint16_t>(), p.x.numel(), amax_x, stream);
-  fused::gather_quantize(routing, p.x.data, x_is_e4m3, dims.hidden, dynamic_a1 ? nullptr : p.x_scale->ptr<const float>(),
-                         !dynamic_a1 && p.x_scale->numel() > 1, amax_x,
+  fused::gather_quantize(routing, p.x.data, x_is_e4m3, dims.hidden,
+                         dynamic_a1 ? nullptr : p.x_scale->ptr<const float>(), !dynamic_a1 && p.x_scale->numel() > 1, amax_x,
                          p.w1_alpha ? p.w1_alpha->ptr<const float>() : nullptr, a1, s1, stream);
 
   // One grouped GEMM of the pipeline: d [slots, d_cols] = a [slots, a_cols] x w, per-row scale s; the
@@ -145,7 +146,8 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     w4a8_moe_mm_act_requant(g, gemm1_tactic, stream, ep);
   } else {
     // 5. GEMM1 into fp32 h.
-    grouped_gemm(h, DType::kFloat32, dims.rows1, a1, dims.hidden, p.w1, p.w1_scale, s1, rb.sizes1, gemm1_tactic, RowScatterAdd{});
+    grouped_gemm(h, DType::kFloat32, dims.rows1, a1, dims.hidden, p.w1, p.w1_scale, s1, rb.sizes1, gemm1_tactic,
+                 RowScatterAdd{});
 
     // 6-7. Activation and requantization.
     if (dynamic_a2) fused::activation_amax(routing, h, dims.rows1, dims.inter, act, amax_act, stream);
@@ -156,7 +158,8 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
 
   // 8. GEMM2 into bf16 rows, or (fused finalize) added into the zeroed output.
   if (scatter.out != nullptr) fused::zero_output_join(p, stream);
-  grouped_gemm(y, DType::kBFloat16, dims.hidden, a2, dims.inter, p.w2, p.w2_scale, s2, rb.sizes2, gemm2_tactic, scatter);
+  grouped_gemm(y, DType::kBFloat16, dims.hidden, a2, dims.inter, p.w2, p.w2_scale, s2, rb.sizes2, gemm2_tactic,
+               scatter);
 
   // 9. Back to token order (or, for moe_expert_rows, to flat slot order without combining).
   if (scatter.out == nullptr) fused::finish_rows(p, y, rb.output_permutation, dims.hidden, slot_rows, stream);
