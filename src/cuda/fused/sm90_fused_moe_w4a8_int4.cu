@@ -99,8 +99,8 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   const bool x_is_e4m3 = p.x.dtype == DType::kFloat8E4M3;
   if (dynamic_a1) fused::amax_bf16(p.x.ptr<const uint16_t>(), p.x.numel(), amax_x, stream);
   fused::gather_quantize(routing, p.x.data, x_is_e4m3, dims.hidden,
-                         dynamic_a1 ? nullptr : p.x_scale->ptr<const float>(), !dynamic_a1 && p.x_scale->numel() > 1, amax_x,
-                         p.w1_alpha ? p.w1_alpha->ptr<const float>() : nullptr, a1, s1, stream);
+                         dynamic_a1 ? nullptr : p.x_scale->ptr<const float>(), !dynamic_a1 && p.x_scale->numel() > 1,
+                         amax_x, p.w1_alpha ? p.w1_alpha->ptr<const float>() : nullptr, a1, s1, stream);
 
   // One grouped GEMM of the pipeline: d [slots, d_cols] = a [slots, a_cols] x w, per-row scale s; the
   // expert blocks come from the routing buffers on the device.
