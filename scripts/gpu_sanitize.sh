@@ -175,6 +175,9 @@ for line in text:
         cur.append(line)
     elif not line.startswith("========="):
         cur = None
+# The tool's own failure ("Internal Sanitizer Error: ..."), which may follow pytest's progress dots on
+# the same line (so it is no record above): an error outside qmoe, counted once per line.
+records += [[line] for line in text if "Internal Sanitizer Error" in line and not line.startswith("=========")]
 warn = [r for r in records if r[0].lower().startswith("warning")]
 errs = [r for r in records if not r[0].lower().startswith("warning")]
 mine = [r for r in errs if any("qmoe" in l for l in r)]
