@@ -18,8 +18,10 @@ Coverage: every gated activation (swiglu, gpt-oss swiglu_oai, geglu_tanh, situ) 
 gate/up layouts ([gate; up] and up_gate_interleaved64); both weight-scale layouts (H = 256: [E, K/128, N],
 H = 512: [E, K/512, 4N]); I in {128, 256, 384}; ragged routing: T = 1, odd T, an empty expert, all
 tokens on one expert, ids that are -1 / out of range, EP with local experts (and tokens with no
-local slot); every decode tactic forced plus the heuristic's; w1/w2 alphas; PDL. Fallbacks: dynamic
-a2, prefill tactics (WGMMA and the mma.sync n64 tile) and the switch write h and match the CPU engine.
+local slot); every decode tactic forced plus the heuristic's; w1/w2 alphas; PDL. The WGMMA tiles
+(prefill) take the same epilogue with QMOE_WGMMA_FUSED_EPILOGUE=1 (opt-in): every activation, both
+layouts, both scale layouts, several token tiles per expert, EP. Fallbacks: dynamic a2, the prefill
+tactics without the opt-in (and the mma.sync n64 tile) and the switch write h and match the CPU engine.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ MODE = "w4a8_int4"
 ENV = "QMOE_FUSED_EPILOGUE"
 POISON = 0xAA
 DECODE_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256", "decode_m64_n8_k512", "decode_m64_n32_k512")
+WGMMA_TACTICS = ("prefill_m128_n128_k128", "prefill_m128_n64_k128")
+WGMMA_ENV = "QMOE_WGMMA_FUSED_EPILOGUE"  # the WGMMA tiles' fused epilogue is opt-in (w4a8_act_requant.h)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,7 +283,10 @@ def test_dynamic_a2_falls_back():
     compare_paths(case, "decode_m128_n8_k256", expect_fused=False)
 
 
-def test_prefill_tactics_fall_back():
+def test_prefill_tactics_fall_back(monkeypatch):
+    """Without QMOE_WGMMA_FUSED_EPILOGUE=1 the WGMMA tiles keep the separate kernels (opt-in until timed),
+    and the mma.sync n64 tile has no fused epilogue."""
+    monkeypatch.delenv(WGMMA_ENV, raising=False)
     case = make_case(40, 4, 8, "swiglu", "up_gate_interleaved64", {}, seed=22)
     slots, local, hidden, inter, rows1 = dims(case)
     prefill = [t for t in qmoe.valid_tactics(rows1, hidden, slots, local, 4) if t.startswith("prefill")]
@@ -296,3 +303,35 @@ def test_switch_is_read_per_call():
     for fused in (True, False, True, False):
         r = run(case, dev, fused, True, tactic="decode_m128_n16_k256")
         assert bool((r["h"] == POISON).all()) == fused
+
+
+# ------------------------------------------------------------------------------------------------
+# the WGMMA tiles (prefill) with QMOE_WGMMA_FUSED_EPILOGUE=1: park h in shared memory, same items
+# ------------------------------------------------------------------------------------------------
+WGMMA_SHAPES = {
+    # name: (tokens, top_k, experts, hidden, inter, make_case keywords)
+    "T1": (1, 1, 8, 256, 128, {}),
+    "T40_packed4": (40, 4, 8, 512, 256, {}),
+    "T129_hot_expert": (129, 4, 16, 256, 384, dict(hot_expert=2)),  # > 128 rows: several token tiles
+    "T33_ep": (33, 2, 16, 256, 128, dict(num_local_experts=6, local_expert_offset=5, expert_range=(3, 13))),
+}
+
+
+@pytest.mark.parametrize("shape", list(WGMMA_SHAPES))
+@pytest.mark.parametrize("layout", ["gate_up", "up_gate_interleaved64"])
+@pytest.mark.parametrize("activation,params", ACTIVATION_CASES, ids=ACTIVATION_IDS)
+def test_wgmma_fused_epilogue_matches_separate_path(activation, params, layout, shape, monkeypatch):
+    if activation == "relu2" and layout != "gate_up":
+        pytest.skip("relu2 has no gate/up halves")
+    monkeypatch.setenv(WGMMA_ENV, "1")
+    tokens, top_k, experts, hidden, inter, kw = WGMMA_SHAPES[shape]
+    case = make_case(tokens, top_k, experts, activation, layout, params, hidden=hidden, inter=inter,
+                     seed=3 * tokens + top_k, **kw)
+    slots, local, hidden, inter, rows1 = dims(case)
+    g1 = qmoe.valid_tactics(rows1, hidden, slots, local, top_k)
+    g2 = qmoe.valid_tactics(hidden, inter, slots, local, top_k)
+    tactics = [t for t in WGMMA_TACTICS if t in g1 and t in g2]
+    assert tactics == list(WGMMA_TACTICS), tactics
+    cpu = {}
+    for tactic in tactics:
+        cpu = compare_paths(case, tactic, expect_fused=True, cpu=cpu, routed_scaling_factor=1.5)

@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -106,6 +107,36 @@ bool is_tactic(const Tactic& tactic, Tactic::Family f, int m, int n, int k) {
   return tactic.family == f && tactic.tile_m == m && tactic.tile_n == n && tactic.tile_k == k && tactic.split_k == 1;
 }
 
+// The WGMMA tactics (prefill_m128_n128_k128 and prefill_m128_n64_k128: sm90_grouped_gemm_w4a8_int4_wgmma.cu).
+bool is_wgmma(const Tactic& tactic) {
+  return is_tactic(tactic, Tactic::Family::kPrefill, 128, 128, 128) ||
+         is_tactic(tactic, Tactic::Family::kPrefill, 128, 64, 128);
+}
+
+WgmmaGemmParams wgmma_params(const W4A8GemmParams& params) {
+  WgmmaGemmParams w;
+  w.a = params.a;
+  w.b = params.b;
+  w.b_scales = params.b_scales;
+  w.a_scales = params.a_scales;
+  w.d = params.d;
+  w.expert_offsets = params.expert_offsets;
+  w.problem_sizes = params.problem_sizes;
+  w.num_experts = params.num_experts;
+  w.n = params.n;
+  w.k = params.k;
+  w.a_scales_per_row = params.a_scales_per_row;
+  w.scales_packed4 = params.scales_packed4;
+  return w;
+}
+
+// QMOE_WGMMA_FUSED_EPILOGUE=1: GEMM1's fused activation epilogue also on the WGMMA tiles (read per call).
+// Opt-in until it has run on a GPU (written after session 6's last GPU run; tests/python/test_gpu_fused_epilogue.py).
+bool wgmma_fused_epilogue_enabled() {
+  const char* v = std::getenv("QMOE_WGMMA_FUSED_EPILOGUE");
+  return v != nullptr && v[0] == '1' && v[1] == '\0';
+}
+
 }  // namespace
 
 void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream) {
@@ -152,24 +183,11 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     launch<4, 1, 1, 4, 4, 3, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kPrefill, 128, 64, 256)) {
     launch<2, 2, 4, 4, 2, 3, 2, 1>(params, fp32_out, rows, device, stream);  // 8 warps x ~170 registers: one CTA per SM
-  } else if (is(Family::kPrefill, 128, 128, 128) || is(Family::kPrefill, 128, 64, 128)) {
+  } else if (is_wgmma(tactic)) {
     // WGMMA kernel (sm90_grouped_gemm_w4a8_int4_wgmma.cu): 128 weight rows x 128 or 64 tokens.
-    WgmmaGemmParams w;
-    w.a = params.a;
-    w.b = params.b;
-    w.b_scales = params.b_scales;
-    w.a_scales = params.a_scales;
-    w.d = params.d;
-    w.expert_offsets = params.expert_offsets;
-    w.problem_sizes = params.problem_sizes;
-    w.num_experts = params.num_experts;
-    w.n = params.n;
-    w.k = params.k;
-    w.a_scales_per_row = params.a_scales_per_row;
-    w.scales_packed4 = params.scales_packed4;
     // The pipeline scatters only with decode tiles (moe_pipeline_steps.cu fused_finalize_scatter).
     QMOE_CHECK_ARG(scatter.out == nullptr, "scatter", "no scatter with a WGMMA tactic", tactic.name());
-    launch_w4a8_wgmma_prefill(w, tactic.tile_n, fp32_out, stream);
+    launch_w4a8_wgmma_prefill(wgmma_params(params), tactic.tile_n, fp32_out, stream);
   } else {
     throw Error("tactic", "a tactic compiled into this build (see valid_tactics)", tactic.name());
   }
@@ -179,13 +197,14 @@ bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activ
   using Family = Tactic::Family;
   const bool decode = is_tactic(tactic, Family::kDecode, 128, 8, 256) || is_tactic(tactic, Family::kDecode, 128, 16, 256) ||
                       is_tactic(tactic, Family::kDecode, 64, 8, 512) || is_tactic(tactic, Family::kDecode, 64, 32, 512);
-  if (!decode || inter <= 0) return false;
+  if (!(decode || is_wgmma(tactic)) || inter <= 0) return false;
   // Gated: a tile's F = TILE_M / 2 (64 or 32) features never straddle I nor an interleaved 64-group.
   if (activation != Activation::kRelu2) return n == 2 * inter && inter % 64 == 0;
   return n == inter && inter % 2 == 0;  // 2-byte stores of feature pairs
 }
 
 bool act_requant_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device) {
+  if (is_wgmma(tactic)) return wgmma_fused_epilogue_enabled();
   return !is_tactic(tactic, Tactic::Family::kDecode, 128, 8, 256) ||
          !n8_tiles_fill_three_per_sm(rows, num_experts, n, device);
 }
@@ -195,7 +214,7 @@ void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cu
   Prepared prep = prepare(args, RowScatterAdd{});
   // Caller bugs, not user errors: the pipeline checks act_requant_supported first.
   QMOE_CHECK_ARG(prep.fp32_out && act_requant_supported(tactic, prep.params.n, ep.inter, ep.act.activation), "tactic",
-                 "an mma.sync decode tactic with the fused activation epilogue (act_requant_supported)", tactic.name());
+                 "a tactic with the fused activation epilogue (act_requant_supported)", tactic.name());
   QMOE_CHECK_ARG(ep.a2 != nullptr && ep.s2 != nullptr && ep.a2_scale != nullptr && reinterpret_cast<uintptr_t>(ep.a2) % 2 == 0,
                  "act_out", "A2 (2-byte aligned), s2 and a2 device pointers", "a null or misaligned pointer");
   W4A8ActGemmParams params;
@@ -205,9 +224,15 @@ void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cu
   const int device = prep.device;
   if (rows == 0) return;
   using Family = Tactic::Family;
-  // The same instantiations as w4a8_moe_mm's decode tactics (same accumulation, so the same h bits),
-  // with the ActE4m3 epilogue.
-  if (is_tactic(tactic, Family::kDecode, 128, 8, 256)) {
+  // The same instantiations as w4a8_moe_mm's tactics (same accumulation, so the same h bits), with the
+  // ActE4m3 epilogue.
+  if (is_wgmma(tactic)) {
+    WgmmaActGemmParams w;
+    static_cast<WgmmaGemmParams&>(w) = wgmma_params(params);
+    w.d = nullptr;  // A2 and s2 only
+    w.act_out = ep;
+    launch_w4a8_wgmma_act_requant(w, tactic.tile_n, stream);
+  } else if (is_tactic(tactic, Family::kDecode, 128, 8, 256)) {
     // The 4-stage shape only: the pipeline keeps the separate kernels where the plain n8 tile would run
     // its 3-CTA shape (act_requant_pays); a forced call there still gets the right bits.
     launch_typed<ActE4m3, 2, 1, 4, 1, 2, 4, 2, 2>(params, rows, device, stream);

@@ -65,6 +65,7 @@
 
 #include "cuda/common/int4_to_f16.cuh"
 #include "cuda/fused/activation_math.cuh"
+#include "cuda/gemm/act_requant_items.cuh"
 #include "cuda/gemm/w4a8_act_requant.h"
 #include "cuda/gemm/grouped_gemm_epilogue.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
@@ -91,10 +92,9 @@ struct W4A8GemmParams {
   RowScatterAdd scatter; // out set: the fused finalize instead of d (bf16 kernels only)
 };
 
-// Output tag of the fused activation epilogue (w4a8_act_requant.h), and its kernel parameters.
+// Kernel parameters of the fused activation epilogue (output tag ActE4m3, w4a8_act_requant.h).
 // NOTE: a separate struct, not a field of W4A8GemmParams: a larger parameter struct changed ptxas'
 // register allocation of the plain kernels (n8 137 -> 168 registers), so they keep theirs.
-struct ActE4m3 {};
 struct W4A8ActGemmParams : W4A8GemmParams {
   ActRequantEpilogue act_out;  // A2 and s2 instead of d
 };
@@ -223,18 +223,13 @@ __device__ __forceinline__ int swizzle_b(int chunk, int row) {
 // The fused activation epilogue of one tile (ActE4m3; the top comment describes the row mapping),
 // run by every thread of the block right after the K warps met (meet_k_warps: k0 = this thread's warp
 // holds the tile's sums). `park`: the meeting's shared memory, TILE_M x TILE_N floats, reused here as
-// h[token][tile row]; the caller's next block-wide barrier retires it. The activation runs as a loop
-// over (token, feature pair) items spread over all threads, not unrolled over accumulator slots: one
-// copy of the activation code (an unrolled copy per slot made the epilogue code ~50 KB, fetched cold
-// for every tile: +30% GEMM time on the H200).
+// h[token][tile row]; the caller's next block-wide barrier retires it. Then the items loop of all
+// threads (act_requant_items.cuh).
 template <int WARPS_M, int WARPS_N, int MF, int NF, int kTileM, int kTileN, int kThreads>
 __device__ __forceinline__ void act_requant_epilogue(const W4A8ActGemmParams& p, const GroupedTile& t,
                                                      float (&acc)[MF][NF][4], float* park, bool k0, int warp_m,
                                                      int warp_n, int lane, int tid) {
-  constexpr int kHalf = kTileM / 2;  // F: features of a gated tile
-  static_assert(kTileM % 4 == 0, "feature pairs of both halves");
   const ActRequantEpilogue& ep = p.act_out;
-  const bool gated = ep.act.activation != Activation::kRelu2;
   __syncthreads();  // every k0 thread has read its own park column (meet_k_warps): park is free
   if (k0) {
     // h = a_scale(row) * acc, the value the fp32 epilogue stores (one rounding: __fmul_rn is never
@@ -263,39 +258,7 @@ __device__ __forceinline__ void act_requant_epilogue(const W4A8ActGemmParams& p,
         for (int c = 0; c < 4; ++c) acc[mf][nf][c] = 0.f;
   }
   __syncthreads();
-  const float a2 = ep.a2_scale[0];
-  if (gated) {
-    // Item = (token, feature pair q): gate values at tile rows 2q, 2q + 1, up values at F + 2q, F + 2q + 1.
-    constexpr int kPairs = kHalf / 2;
-    const int f0 = (t.n0 / kTileM) * kHalf;
-#pragma unroll 1
-    for (int i = tid; i < t.rows * kPairs; i += kThreads) {
-      const int token = i / kPairs, q = i % kPairs;
-      const float2 g = *reinterpret_cast<const float2*>(park + token * kTileM + 2 * q);
-      const float2 u = *reinterpret_cast<const float2*>(park + token * kTileM + kHalf + 2 * q);
-      const float v0 = fused::requant_value(fused::gated_value(ep.act, g.x, u.x), a2);
-      const float v1 = fused::requant_value(fused::gated_value(ep.act, g.y, u.y), a2);
-      const int feature = f0 + 2 * q;
-      if (feature < ep.inter)
-        *reinterpret_cast<uint16_t*>(ep.a2 + static_cast<int64_t>(t.row0 + token) * ep.inter + feature) =
-            static_cast<uint16_t>(fused::e4m3x2(v0, v1));
-    }
-  } else {
-    // ReLU^2: item = (token, pair of tile rows = features n0 + 2q, n0 + 2q + 1).
-    constexpr int kPairs = kTileM / 2;
-#pragma unroll 1
-    for (int i = tid; i < t.rows * kPairs; i += kThreads) {
-      const int token = i / kPairs, q = i % kPairs;
-      const float2 h = *reinterpret_cast<const float2*>(park + token * kTileM + 2 * q);
-      const float v0 = fused::requant_value(activation::relu2<float>(h.x), a2);
-      const float v1 = fused::requant_value(activation::relu2<float>(h.y), a2);
-      const int feature = t.n0 + 2 * q;
-      if (feature < ep.inter)
-        *reinterpret_cast<uint16_t*>(ep.a2 + static_cast<int64_t>(t.row0 + token) * ep.inter + feature) =
-            static_cast<uint16_t>(fused::e4m3x2(v0, v1));
-    }
-  }
-  if (t.n0 == 0 && tid < t.rows) ep.s2[t.row0 + tid] = fused::s2_value(a2, ep.w2_alpha, t.expert);
+  act_requant_items<kTileM, kThreads>(ep, t, park, tid);
 }
 
 template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS>
@@ -365,13 +328,9 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       // (The plain kernels keep their exact address arithmetic: if constexpr.)
       int row_lo = t.n0, row_jump = 0;
       if constexpr (kAct) {
-        if (p.act_out.act.activation != Activation::kRelu2) {
-          const int f0 = (t.n0 / kTileM) * (kTileM / 2);
-          int64_t gate_row;
-          const int64_t up_row = fused::up_column(p.act_out.act, p.act_out.inter, f0, &gate_row);
-          row_lo = static_cast<int>(gate_row);
-          row_jump = static_cast<int>(up_row - gate_row) - kTileM / 2;
-        }
+        const ActTileRows rows_of = act_tile_rows<kTileM>(p.act_out, t.n0);
+        row_lo = rows_of.lo;
+        row_jump = rows_of.jump;
         b_jump = static_cast<int64_t>(row_jump) * row_bytes_b;
       }
       auto weight_row = [&](int r) {

@@ -23,10 +23,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "cuda/common/int4_to_e4m3.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/common/store_out.cuh"
+#include "cuda/gemm/act_requant_items.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/gemm/resident_ctas.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
@@ -44,15 +46,19 @@ constexpr int kStageW = kTileM * kGroup / 2;   // weights, 128 rows x 64 bytes
 constexpr int kStageS = kTileM * 8;            // scales: packed-4 rows of 8 bytes (packed-1 uses 256 bytes)
 constexpr int kTileStartBytes = (kMaxExperts + 1) * 4 + 32 * 4;  // tile prefix + warp totals
 
-// TILE_N token rows per tile (the wgmma N: 128, or 64 for experts with fewer rows).
-template <int TILE_N>
+// TILE_N token rows per tile (the wgmma N: 128, or 64 for experts with fewer rows). kAct: the fused
+// activation epilogue's park, h of one tile (TILE_N x 128 fp32), after the work list.
+template <int TILE_N, bool kAct = false>
 struct Shape {
   static_assert(TILE_N == 64 || TILE_N == 128, "wgmma m64n64k32 or m64n128k32");
   static constexpr int kAcc = TILE_N / 2;                 // fp32 accumulator registers per thread
   static constexpr int kStageA = TILE_N * kGroup;         // activations, TILE_N rows x 128 bytes
   static constexpr int kStageBytes = kStageA + kStageW + kStageS;
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kTileStartBytes;  // + alignment slack
+  // park: 16-byte aligned (float2 reads), after the work list; the plain kernels keep their size.
+  static constexpr int kParkOffset = (kStages * kStageBytes + kTileStartBytes + 15) / 16 * 16;
+  static constexpr int kParkBytes = kAct ? 16 + TILE_N * kTileM * 4 : 0;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kTileStartBytes + kParkBytes;  // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
 };
 
@@ -127,9 +133,20 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
 // One pipeline stage (K group g of tile t) into shared memory at sa: TILE_N activation rows (128-byte
 // swizzle), the tile's 128 weight rows, their scales of group g; LOADERS threads (loader = 0..LOADERS-1)
 // share the 16-byte copies. Rows past the expert's end or past N are zero-filled, nothing read.
-template <int TILE_N, int LOADERS>
+// kAct (the fused activation epilogue): tile row r is weight row w.lo + r (+ w.jump in the second
+// half: act_requant_items.cuh); else weight row n0 + r.
+template <int TILE_N, int LOADERS, bool kAct = false>
 __device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const GroupedTile& t, int g, uint32_t sa,
-                                           int loader) {
+                                           int loader, ActTileRows w = {0, 0}) {
+  // Offset of tile row r's weight row from expert row 0 (the plain kernels keep their exact address
+  // arithmetic: if constexpr).
+  auto weight_row = [&](int r) {
+    if constexpr (kAct) {
+      return w.lo + r + (r >= kTileM / 2 ? w.jump : 0);
+    } else {
+      return t.n0 + r;
+    }
+  };
   static_assert(LOADERS >= kTileM / 2 && LOADERS % 8 == 0, "a scale copy per row pair, whole activation rows");
   constexpr int kRowsA = LOADERS / 8, kRowsW = LOADERS / 4;  // rows per pass: 8 and 4 chunks per row
   const uint32_t sw = sa + Shape<TILE_N>::kStageA, ss = sw + kStageW;
@@ -147,9 +164,14 @@ __device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const Group
   for (int i = 0; i < kTileM / kRowsW; ++i) {
     const int r = w_row + kRowsW * i;
     const bool valid = t.n0 + r < p.n;
-    const uint8_t* src =
-        valid ? p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + r) * w_row_bytes + g * (kGroup / 2) + w_chunk * 16
-              : p.b;
+    const uint8_t* src = p.b;
+    if constexpr (kAct) {
+      if (valid) src = p.b + (static_cast<int64_t>(t.expert) * p.n + weight_row(r)) * w_row_bytes + g * (kGroup / 2) +
+                       w_chunk * 16;
+    } else {
+      src = valid ? p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + r) * w_row_bytes + g * (kGroup / 2) + w_chunk * 16
+                  : p.b;
+    }
     cp_async_16(sw + r * (kGroup / 2) + w_chunk * 16, src, valid);
   }
   if (p.scales_packed4) {
@@ -157,30 +179,63 @@ __device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const Group
     if (loader < kTileM / 2) {
       const bool valid = t.n0 + 2 * loader < p.n;
       const __nv_bfloat16* src =
-          valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / 512) + g / 4) * 4 * p.n + 4 * (t.n0 + 2 * loader)
+          valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / 512) + g / 4) * 4 * p.n + 4 * weight_row(2 * loader)
                 : p.b_scales;
       cp_async_16(ss + loader * 16, src, valid);
     }
   } else if (loader < kTileM / 8) {
     const bool valid = t.n0 + 8 * loader < p.n;
-    const __nv_bfloat16* src =
-        valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / kGroup) + g) * p.n + t.n0 + 8 * loader
-              : p.b_scales;
+    const __nv_bfloat16* src = p.b_scales;
+    if constexpr (kAct) {
+      if (valid) src = p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / kGroup) + g) * p.n + weight_row(8 * loader);
+    } else {
+      src = valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / kGroup) + g) * p.n + t.n0 + 8 * loader
+                  : p.b_scales;
+    }
     cp_async_16(ss + loader * 16, src, valid);
   }
 }
 
+template <class OutT>
+using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActGemmParams, WgmmaGemmParams>;
+
+// The fused activation epilogue's first half (both kernels): this thread's accumulators of tile t
+// (rows r0, r1; token columns 8 j + 2 tig + h) into park as h = a_scale(row) * acc, the value the fp32
+// epilogue stores (__fmul_rn: one rounding, never contracted), then zeroed. Token columns past the
+// tile's rows are not written (act_requant_items reads only t.rows tokens).
+template <int TILE_N>
+__device__ __forceinline__ void park_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
+                                          float* park, int r0, int r1, int tig) {
+#pragma unroll
+  for (int j = 0; j < TILE_N / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = 8 * j + 2 * tig + h;
+      if (c < t.rows) {
+        const float sc = p.a_scales_per_row ? p.a_scales[t.row0 + c] : p.a_scales[0];
+        park[c * kTileM + r0] = __fmul_rn(sc, acc[4 * j + h]);
+        park[c * kTileM + r1] = __fmul_rn(sc, acc[4 * j + 2 + h]);
+      }
+      acc[4 * j + h] = 0.f;
+      acc[4 * j + 2 + h] = 0.f;
+    }
+  }
+}
+
 // BIASED: the experiment described at wgmma_ws::kernel (not in any shipped tactic).
+// OutT ActE4m3: the fused activation epilogue (A2 and s2 instead of d; act_requant_items.cuh).
 template <class OutT, int TILE_N, bool BIASED = false>
-__global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const WgmmaGemmParams p) {
+__global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const ParamsOf<OutT> p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
-  using S = Shape<TILE_N>;
+  constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
+  using S = Shape<TILE_N, kAct>;
   constexpr int kTileN = TILE_N;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_1024(smem_raw);  // the swizzled activation tiles need 1024-byte alignment
   uint8_t* stages = smem;
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem + kStages * S::kStageBytes);
   int32_t* warp_total = tile_start + kMaxExperts + 1;
+  [[maybe_unused]] float* park = reinterpret_cast<float*>(smem + S::kParkOffset);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int E = p.num_experts;
@@ -195,10 +250,19 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const W
 
   // ---- Producer: every thread copies its share of each stage (load_stage).
   GroupedTile load_tile{0, 0, 0, 0};
+  [[maybe_unused]] ActTileRows load_rows{0, 0};
   auto issue_loads = [&](int it) {
     const int g = it % groups;
-    if (g == 0) load_tile = tiles[it / groups];
-    load_stage<kTileN, kThreads>(p, load_tile, g, smem_u32(stages + (it % kStages) * S::kStageBytes), tid);
+    if (g == 0) {
+      load_tile = tiles[it / groups];
+      if constexpr (kAct) load_rows = act_tile_rows<kTileM>(p.act_out, load_tile.n0);
+    }
+    if constexpr (kAct) {
+      load_stage<kTileN, kThreads, true>(p, load_tile, g, smem_u32(stages + (it % kStages) * S::kStageBytes), tid,
+                                         load_rows);
+    } else {
+      load_stage<kTileN, kThreads>(p, load_tile, g, smem_u32(stages + (it % kStages) * S::kStageBytes), tid);
+    }
   };
 
   // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {gid, gid + 8}.
@@ -281,23 +345,31 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const W
     }
 
     if (g == groups - 1) {
-      // Epilogue: accumulator (row r, token column 8 j + 2 tig + h) -> D[token, feature].
       const GroupedTile t = tiles[it / groups];
-      const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
+      if constexpr (kAct) {
+        // Fused epilogue: park h, then every thread takes (token, feature pair) items. The main loop's
+        // barrier at the next iteration retires park before the next tile's epilogue writes it.
+        park_tile<kTileN>(p, t, acc, park, r0, r1, tig);
+        __syncthreads();
+        act_requant_items<kTileM, kThreads>(p.act_out, t, park, tid);
+      } else {
+        // Epilogue: accumulator (row r, token column 8 j + 2 tig + h) -> D[token, feature].
+        const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
 #pragma unroll
-      for (int j = 0; j < kTileN / 8; ++j) {
+        for (int j = 0; j < kTileN / 8; ++j) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int c = 8 * j + 2 * tig + h;
-          if (c < t.rows) {
-            const int64_t row = t.row0 + c;
-            const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
-            OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
-            if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
-            if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
+          for (int h = 0; h < 2; ++h) {
+            const int c = 8 * j + 2 * tig + h;
+            if (c < t.rows) {
+              const int64_t row = t.row0 + c;
+              const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
+              OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
+              if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
+              if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
+            }
+            acc[4 * j + h] = 0.f;
+            acc[4 * j + 2 + h] = 0.f;
           }
-          acc[4 * j + h] = 0.f;
-          acc[4 * j + 2 + h] = 0.f;
         }
       }
     }
@@ -323,7 +395,8 @@ constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // setmaxnreg: 128 * 56 
 constexpr int kMaxExperts = kTileListMaxExperts;
 constexpr int kTileStartBytes = (kMaxExperts + 1) * 4 + 32 * 4;
 
-template <int TILE_N>
+// kAct: the fused activation epilogue's park (h of one tile, TILE_N x 128 fp32) after the work list.
+template <int TILE_N, bool kAct = false>
 struct Shape {
   static constexpr int kAcc = TILE_N / 2;
   static constexpr int kStageA = TILE_N * kGroup;
@@ -333,7 +406,9 @@ struct Shape {
   static constexpr int kStages = TILE_N == 128 ? 6 : 12;
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
   static constexpr int kBarrierBytes = 2 * kStages * 8;
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes;
+  static constexpr int kParkOffset = (kStages * kStageBytes + kBarrierBytes + kTileStartBytes + 15) / 16 * 16;
+  static constexpr int kParkBytes = kAct ? 16 + TILE_N * kTileM * 4 : 0;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes + kParkBytes;
   static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
 };
 
@@ -364,10 +439,13 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
 // weights instead of ~9 for the exact lookup), and one more wgmma per K step with every weight -8 * 2^-9
 // cancels the bias inside the same fp32 partial (twice the tensor work; the fp8 accumulation then also
 // carries the bias term, whose rounding the A/B run must measure against the 1e-2 tolerance).
+// OutT ActE4m3: the fused activation epilogue (as wgmma_prefill::kernel; the two computing warpgroups
+// meet on named barrier 1 around it).
 template <class OutT, int TILE_N, bool BIASED = false>
-__global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
+__global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma_prefill::ParamsOf<OutT> p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
-  using S = Shape<TILE_N>;
+  constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
+  using S = Shape<TILE_N, kAct>;
   constexpr int kStages = S::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = wgmma_prefill::align_1024(smem_raw);
@@ -376,6 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
   uint64_t* empty = full + kStages;
   int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kStages);
   int32_t* warp_total = tile_start + kMaxExperts + 1;
+  [[maybe_unused]] float* park = reinterpret_cast<float*>(smem + S::kParkOffset);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7;
   if (tid == 0) {
@@ -397,11 +476,20 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
     // ---- Loading warpgroup: stage it % kStages once the computing warpgroups released it.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     GroupedTile t{0, 0, 0, 0};
+    [[maybe_unused]] ActTileRows rows{0, 0};
     for (int it = 0; it < total_iters; ++it) {
       const int g = it % groups, s = it % kStages;
-      if (g == 0) t = tiles[it / groups];
+      if (g == 0) {
+        t = tiles[it / groups];
+        if constexpr (kAct) rows = act_tile_rows<kTileM>(p.act_out, t.n0);
+      }
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-      wgmma_prefill::load_stage<TILE_N, 128>(p, t, g, wgmma_prefill::smem_u32(stages + s * S::kStageBytes), tid);
+      if constexpr (kAct) {
+        wgmma_prefill::load_stage<TILE_N, 128, true>(p, t, g, wgmma_prefill::smem_u32(stages + s * S::kStageBytes),
+                                                     tid, rows);
+      } else {
+        wgmma_prefill::load_stage<TILE_N, 128>(p, t, g, wgmma_prefill::smem_u32(stages + s * S::kStageBytes), tid);
+      }
       mbar_arrive_cp_async(&full[s]);
     }
     wgmma_prefill::cp_async_wait<0>();  // no copy outlives its thread
@@ -496,22 +584,32 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
       acc[4 * j + 3] = fmaf(s1, part[4 * j + 3], acc[4 * j + 3]);
     }
     if (g == groups - 1) {
-      // Epilogue: accumulator (row r, token column 8 j + 2 tig + h) -> D[token, feature].
-      const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
+      if constexpr (kAct) {
+        // Fused epilogue: both computing warpgroups park their halves of h (named barrier 1: 256
+        // threads, the loading warpgroup not among them), take (token, feature pair) items, and meet
+        // again before the next tile's epilogue may overwrite park (nothing else ties them together).
+        wgmma_prefill::park_tile<TILE_N>(p, t, acc, park, r0, r1, tig);
+        asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
+        act_requant_items<kTileM, 128 * kConsumers>(p.act_out, t, park, tid - 128);
+        asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
+      } else {
+        // Epilogue: accumulator (row r, token column 8 j + 2 tig + h) -> D[token, feature].
+        const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
 #pragma unroll
-      for (int j = 0; j < TILE_N / 8; ++j) {
+        for (int j = 0; j < TILE_N / 8; ++j) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int c = 8 * j + 2 * tig + h;
-          if (c < t.rows) {
-            const int64_t row = t.row0 + c;
-            const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
-            OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
-            if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
-            if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
+          for (int h = 0; h < 2; ++h) {
+            const int c = 8 * j + 2 * tig + h;
+            if (c < t.rows) {
+              const int64_t row = t.row0 + c;
+              const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
+              OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
+              if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
+              if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
+            }
+            acc[4 * j + h] = 0.f;
+            acc[4 * j + 2 + h] = 0.f;
           }
-          acc[4 * j + h] = 0.f;
-          acc[4 * j + 2 + h] = 0.f;
         }
       }
     }
@@ -521,9 +619,12 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
 }  // namespace wgmma_ws
 
 namespace {
+template <class OutT>
+constexpr bool kActOut = std::is_same<OutT, ActE4m3>::value;
+
 template <class OutT, int TILE_N, bool BIASED = false>
-void launch_ws(const WgmmaGemmParams& params, cudaStream_t stream) {
-  constexpr int kSmem = wgmma_ws::Shape<TILE_N>::kSmemBytes;
+void launch_ws(const wgmma_prefill::ParamsOf<OutT>& params, cudaStream_t stream) {
+  constexpr int kSmem = wgmma_ws::Shape<TILE_N, kActOut<OutT>>::kSmemBytes;
   constexpr auto kernel = wgmma_ws::kernel<OutT, TILE_N, BIASED>;
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
@@ -536,11 +637,11 @@ void launch_ws(const WgmmaGemmParams& params, cudaStream_t stream) {
 // Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_h200_wgmma_ws.md); 64-token tiles
 // keep the two-CTAs-per-SM kernel, which measured 1-5% faster there.
 template <class OutT, int TILE_N, bool BIASED = false>
-void launch_typed(const WgmmaGemmParams& params, cudaStream_t stream) {
+void launch_typed(const wgmma_prefill::ParamsOf<OutT>& params, cudaStream_t stream) {
   if constexpr (TILE_N == 128) {
     launch_ws<OutT, TILE_N, BIASED>(params, stream);
   } else {
-    constexpr int kSmem = wgmma_prefill::Shape<TILE_N>::kSmemBytes;
+    constexpr int kSmem = wgmma_prefill::Shape<TILE_N, kActOut<OutT>>::kSmemBytes;
     constexpr auto kernel = wgmma_prefill::kernel<OutT, TILE_N, BIASED>;
     int device = 0;
     check_cuda(cudaGetDevice(&device), "cudaGetDevice");
@@ -561,6 +662,12 @@ void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int tile_n, bool f
     if (fp32_out) launch_typed<float, 64>(params, stream);
     else launch_typed<__nv_bfloat16, 64>(params, stream);
   }
+}
+
+void launch_w4a8_wgmma_act_requant(const WgmmaActGemmParams& params, int tile_n, cudaStream_t stream) {
+  QMOE_CHECK_ARG(tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 64 or 128", std::to_string(tile_n));
+  if (tile_n == 128) launch_typed<ActE4m3, 128>(params, stream);
+  else launch_typed<ActE4m3, 64>(params, stream);
 }
 
 }  // namespace qmoe::cuda

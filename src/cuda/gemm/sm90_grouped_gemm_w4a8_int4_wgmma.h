@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/w4a8_act_requant.h"  // ActRequantEpilogue
 #include "cuda/launch.h"  // check_cuda
 
 namespace qmoe::cuda {
@@ -25,5 +26,13 @@ struct WgmmaGemmParams {
 };
 
 void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int tile_n, bool fp32_out, cudaStream_t stream);
+
+// GEMM1 of the fused w4a8_int4 pipeline with the activation and the requantization as the epilogue
+// (w4a8_act_requant.h, act_requant_items.cuh): A2 and s2 instead of d. A separate struct, as for the
+// mma.sync kernels: the plain kernels keep their parameter block.
+struct WgmmaActGemmParams : WgmmaGemmParams {
+  ActRequantEpilogue act_out;
+};
+void launch_w4a8_wgmma_act_requant(const WgmmaActGemmParams& params, int tile_n, cudaStream_t stream);
 
 }  // namespace qmoe::cuda

@@ -8,10 +8,11 @@
 // cuda/fused/activation_math.cuh, so A2 and s2 are bit for bit those of GEMM1 (fp32 h) followed by
 // fused::activation_requant. h is never written. a2 = a2_scale[0] (static: fc2_input_scale).
 //
-// Only the mma.sync decode tactics have it (decode_m128_n8_k256, decode_m128_n16_k256,
-// decode_m64_n8_k512, decode_m64_n32_k512); gated activations need I % 64 == 0 (both layouts; the
-// W4A8 pipeline's GEMM2 already needs I % 128 == 0). act_requant_supported() says whether a call can
-// take it; the caller keeps the separate kernels otherwise.
+// The mma.sync decode tactics have it (decode_m128_n8_k256, decode_m128_n16_k256, decode_m64_n8_k512,
+// decode_m64_n32_k512), and the WGMMA tiles (prefill_m128_n128_k128, prefill_m128_n64_k128: h parked
+// in shared memory, the same items: act_requant_items.cuh); gated activations need I % 64 == 0 (both
+// layouts; the W4A8 pipeline's GEMM2 already needs I % 128 == 0). act_requant_supported() says whether
+// a call can take it; the caller keeps the separate kernels otherwise.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,6 +24,9 @@
 #include "qmoe/tactics.h"
 
 namespace qmoe::cuda {
+
+// Output tag of the GEMM kernels' fused activation epilogue (their OutT template argument).
+struct ActE4m3 {};
 
 struct ActRequantEpilogue {
   uint8_t* a2 = nullptr;             // e4m3 [R, I] (row-major, row stride I)
@@ -41,8 +45,9 @@ bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activ
 // the fused epilogue vs QMOE_FUSED_EPILOGUE=0): it saves the activation kernel (2-6 us at T = 1) but
 // stalls the CTA's main loop once per tile, which costs more than it saves where the n8 tile runs its
 // many-tile shape (3 CTAs per SM, n8_tiles_fill_three_per_sm): DeepSeek-V3 T = 8 / 64 +2% / +3%,
-// Qwen3-235B +5% / +2%. So: every supported tactic except n8 with that many tiles. rows: GEMM1's rows
-// (slots), num_experts: its experts (local), n: GEMM1's N.
+// Qwen3-235B +5% / +2%. So: every supported tactic except n8 with that many tiles. The WGMMA tiles only
+// with QMOE_WGMMA_FUSED_EPILOGUE=1 (written after session 6's last GPU run: not yet run or timed).
+// rows: GEMM1's rows (slots), num_experts: its experts (local), n: GEMM1's N.
 bool act_requant_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device);
 
 // GEMM1 (args.d gives the fp32 h shape [R, n] only: nothing is written there) with the fused
