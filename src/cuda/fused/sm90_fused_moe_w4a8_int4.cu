@@ -13,11 +13,12 @@
 //   7. act + requant  A2[r] = e4m3(act(h[r]) / a2), s2[r] = a2 * w2_alpha[e]     moe_activation_requant.cu
 //   8. GEMM2          y[r] = bf16(s2[r] * W2[e] . A2[r])                         gemm/sm90_grouped_gemm_w4a8_int4
 //   9. finalize       out[t] = combine of w[t, j] * y[row(t, j)] in slot order   moe_finalize.cu
-// Fused activation (static a2, GEMM1 on an mma.sync decode tactic where it pays: act_requant_pays;
+// Fused activation (static a2, GEMM1 on a tactic with the epilogue where it pays: act_requant_pays;
 // QMOE_FUSED_EPILOGUE != "0"): steps 5-7 are one kernel, GEMM1's epilogue writes A2 and s2
 // (gemm/w4a8_act_requant.h; bit for bit the separate path's, same arithmetic:
-// fused/activation_math.cuh); h is not written. Otherwise (dynamic a2, WGMMA / prefill tactics, the n8
-// tile's many-tile shape, QMOE_FUSED_EPILOGUE=0) the separate steps above.
+// fused/activation_math.cuh); h is not written. Otherwise (dynamic a2, the WGMMA tiles without
+// QMOE_WGMMA_FUSED_EPILOGUE=1, the mma.sync prefill tile, the n8 tile's many-tile shape,
+// QMOE_FUSED_EPILOGUE=0) the separate steps above.
 // Fused finalize (deterministic == false, fused_moe) when GEMM2 runs a decode tile: out is zeroed
 // first (on aux_stream when given, joined back before GEMM2) and GEMM2's epilogue adds
 // bf16(rsf * w[s] * s2[r] * acc) into out[t] atomically (gemm/grouped_gemm_epilogue.cuh): no y
