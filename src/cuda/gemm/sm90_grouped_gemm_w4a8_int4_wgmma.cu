@@ -222,6 +222,30 @@ __device__ __forceinline__ void park_tile(const WgmmaGemmParams& p, const Groupe
   }
 }
 
+// The plain epilogue (both kernels): accumulator (row r, token column 8 j + 2 tig + h) of tile t ->
+// D[token, feature] = out(a_scale(token) * acc), then zeroed.
+template <class OutT, int TILE_N>
+__device__ __forceinline__ void store_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
+                                           int r0, int r1, int tig) {
+  const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
+#pragma unroll
+  for (int j = 0; j < TILE_N / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = 8 * j + 2 * tig + h;
+      if (c < t.rows) {
+        const int64_t row = t.row0 + c;
+        const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
+        OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
+        if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
+        if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
+      }
+      acc[4 * j + h] = 0.f;
+      acc[4 * j + 2 + h] = 0.f;
+    }
+  }
+}
+
 // BIASED: the experiment described at wgmma_ws::kernel (not in any shipped tactic).
 // OutT ActE4m3: the fused activation epilogue (A2 and s2 instead of d; act_requant_items.cuh).
 template <class OutT, int TILE_N, bool BIASED = false>
@@ -353,24 +377,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
         __syncthreads();
         act_requant_items<kTileM, kThreads>(p.act_out, t, park, tid);
       } else {
-        // Epilogue: accumulator (row r, token column 8 j + 2 tig + h) -> D[token, feature].
-        const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
-#pragma unroll
-        for (int j = 0; j < kTileN / 8; ++j) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int c = 8 * j + 2 * tig + h;
-            if (c < t.rows) {
-              const int64_t row = t.row0 + c;
-              const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
-              OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
-              if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
-              if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
-            }
-            acc[4 * j + h] = 0.f;
-            acc[4 * j + 2 + h] = 0.f;
-          }
-        }
+        store_tile<OutT, kTileN>(p, t, acc, r0, r1, tig);
       }
     }
   }
@@ -593,24 +600,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma_prefill::Param
         act_requant_items<kTileM, 128 * kConsumers>(p.act_out, t, park, tid - 128);
         asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
       } else {
-        // Epilogue: accumulator (row r, token column 8 j + 2 tig + h) -> D[token, feature].
-        const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
-#pragma unroll
-        for (int j = 0; j < TILE_N / 8; ++j) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int c = 8 * j + 2 * tig + h;
-            if (c < t.rows) {
-              const int64_t row = t.row0 + c;
-              const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
-              OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
-              if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
-              if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
-            }
-            acc[4 * j + h] = 0.f;
-            acc[4 * j + 2 + h] = 0.f;
-          }
-        }
+        wgmma_prefill::store_tile<OutT, TILE_N>(p, t, acc, r0, r1, tig);
       }
     }
   }
