@@ -47,7 +47,7 @@ const std::vector<Tactic>& compiled() {
       make(Family::kPrefill, 128, 64, 256),
       // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
       make(Family::kPrefill, 128, 128, 128),
-      // WGMMA with 64-token tiles (two CTAs per SM): chosen for 17-64 rows per expert.
+      // WGMMA with 64-token tiles (two CTAs per SM): chosen for 17-48 rows per expert.
       make(Family::kPrefill, 128, 64, 128),
   };
   return list;
@@ -79,10 +79,15 @@ bool log_enabled() {
 //   64 rows: WGMMA n128 4644 / 2543, WGMMA n64 4673 / 2540, mma.sync n64 7936 / 4363;
 //   128 rows: WGMMA n128 best. The n16 time grows with its token tiles while the WGMMA n64 tile is
 //   flat up to 32 rows, so they cross between 8 and 32 rows: 16 is the switch.
+// WGMMA n64 -> n128 (every model GEMM shape, scripts/device_tactic_sweep.sh, H200, bench/results/
+// 2026-11-30_s7a_nvidia_h200_tactic_sweep.md): n64 is faster at 20-48 rows on all 8 shapes (12-15%
+// at 40 and 48 rows); at 64 rows n128 is faster on the 128- and 8-expert shapes (Qwen3-235B GEMM1
+// 775 vs 944 us, Mixtral GEMM1 452 vs 576, GEMM2 214 vs 336: with ragged routing many experts then
+// pass 64 rows and need a second 64-token tile) and ties on DeepSeek-V3. So n128 above 48 rows.
 // The mma.sync prefill_m128_n64_k256 tile is no longer chosen (kept for forcing and tuning).
 constexpr int64_t kDecodeN8MaxRows = 4;
 constexpr int64_t kDecodeN16MaxRows = 16;
-constexpr int64_t kWgmmaN64MaxRows = 64;
+constexpr int64_t kWgmmaN64MaxRows = 48;
 // Decode grids smaller than the GPU: with at most kDecodeN8MaxRows rows per expert, at most
 // min(E, total_rows) experts are hit, each with ceil(N / 128) tiles of 128 weight rows. When that
 // bound is below the SM count of an H100/H200 SXM (132), half-height tiles (64 rows) put twice the

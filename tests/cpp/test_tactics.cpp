@@ -50,15 +50,18 @@ TEST(Tactics, DecodeN16Boundaries) {
   EXPECT_EQ(chosen(16 * 256), "decode_m128_n16_k256");
 }
 
-TEST(Tactics, WgmmaN64From17To64Rows) {
+TEST(Tactics, WgmmaN64From17To48Rows) {
   EXPECT_EQ(chosen(16 * 256 + 1), "prefill_m128_n64_k128");
   EXPECT_EQ(qmoe::select_tactic(problem(16 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
   EXPECT_EQ(chosen(32 * 256), "prefill_m128_n64_k128");  // DeepSeek-V3 T=1024, top-8
-  EXPECT_EQ(chosen(64 * 256), "prefill_m128_n64_k128");
+  EXPECT_EQ(chosen(48 * 256), "prefill_m128_n64_k128");  // DeepSeek-V3 T=1536, top-8
 }
 
-TEST(Tactics, WgmmaN128From65Rows) {
-  EXPECT_EQ(chosen(64 * 256 + 1), "prefill_m128_n128_k128");
+TEST(Tactics, WgmmaN128From49Rows) {
+  EXPECT_EQ(chosen(48 * 256 + 1), "prefill_m128_n128_k128");
+  EXPECT_EQ(chosen(64 * 256), "prefill_m128_n128_k128");
+  EXPECT_EQ(chosen(1024 * 8, 128), "prefill_m128_n128_k128");  // Qwen3-235B T=1024: 64 rows per expert
+  EXPECT_EQ(chosen(256 * 2, 8), "prefill_m128_n128_k128");      // Mixtral T=256: 64 rows per expert
   EXPECT_EQ(chosen(32768), "prefill_m128_n128_k128");  // DeepSeek-V3 T=4096, top-8
   EXPECT_EQ(chosen(100000, 1), "prefill_m128_n128_k128");
   EXPECT_EQ(qmoe::select_tactic(problem(32768)).family, qmoe::Tactic::Family::kPrefill);
