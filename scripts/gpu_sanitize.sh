@@ -14,7 +14,9 @@
 # Exit status 0 only when every pytest run passed, nothing timed out and no report names qmoe.
 #
 # Usage (device machine):  bash scripts/gpu_sanitize.sh        (QMOE_SKIP_BUILD=1: reuse build/device)
-# Logs: $OUT (or build/sanitize): sanitize_{memcheck,racecheck,synccheck,initcheck,gemm_check}.log.
+# Logs: build/sanitize: sanitize_{memcheck,racecheck,synccheck,initcheck,gemm_check}.log (and the shards'
+# logs, id lists and .done lists). With $OUT set (the device tool's output folder, which returns at most
+# 8 files) they are packed into $OUT/sanitize_logs.tgz at the end, and each *_left.ids is copied there.
 # Switches: QMOE_SANITIZE_TOOLS="memcheck racecheck synccheck initcheck gemm_check" (a subset to run);
 #   QMOE_SANITIZE_FULL=1 selects every GPU test for each tool (slow: one tool per device call);
 #   QMOE_SANITIZE_K_<TOOL>=<pytest -k expression> replaces a selection; QMOE_SANITIZE_LIMIT_<TOOL>=<s>
@@ -49,8 +51,22 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
-LOGDIR=${OUT:-$ROOT/build/sanitize}
+LOGDIR=$ROOT/build/sanitize
 mkdir -p "$LOGDIR"
+# Shards go round-robin over the visible GPUs (a sanitizer shard is CPU-bound; a machine with more
+# GPUs has more cores too). CUDA_VISIBLE_DEVICES set by the caller is left alone.
+NGPU=1
+if [[ -z "${CUDA_VISIBLE_DEVICES:-}" ]] && command -v nvidia-smi > /dev/null; then
+  NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+  (( NGPU >= 1 )) || NGPU=1
+fi
+pack_logs() {  # into the device tool's output folder, as one file
+  [[ -n "${OUT:-}" ]] || return 0
+  mkdir -p "$OUT"
+  tar -C "$LOGDIR" -czf "$OUT/sanitize_logs.tgz" . 2>/dev/null
+  cp "$LOGDIR"/sanitize_*_left.ids "$OUT/" 2>/dev/null
+  return 0
+}
 T0=$(date +%s)
 TOOLS=${QMOE_SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck gemm_check}
 JOBS=${QMOE_SANITIZE_JOBS:-1}
@@ -238,6 +254,7 @@ run_shards() {
   (( left < 1 )) && left=1
   echo "$tool: $collected tests collected in $(( $(date +%s) - t0 ))s; $nshards shards of about $(( (collected + nshards - 1) / nshards )) tests, ${left}s each"
   for (( i = 1; i <= nshards; i++ )); do
+    (( NGPU > 1 )) && export CUDA_VISIBLE_DEVICES=$(( (i - 1) % NGPU ))
     QMOE_SANITIZER=$tool QMOE_SKIP_BUILD=1 QMOE_SKIP_CPP=1 PATH="$WRAP:$PATH" QMOE_SANITIZER_EXTRA_ARGS="$extra" \
       QMOE_PYTEST_LOG="$WRAP/pytest_${tool}_shard$i.log" QMOE_SHARD_IDS="$LOGDIR/sanitize_${tool}_shard$i.ids" \
       QMOE_SHARD_DONE="$LOGDIR/sanitize_${tool}_shard$i.done" \
@@ -245,6 +262,7 @@ run_shards() {
       run_limited "$left" "$LOGDIR/sanitize_${tool}_shard$i.log" bash scripts/gpu_tests.sh -p qmoe_shard_select -k "$sel" &
     pids[i]=$!
   done
+  (( NGPU > 1 )) && unset CUDA_VISIBLE_DEVICES
   for (( i = 1; i <= nshards; i++ )); do wait "${pids[i]}"; rcs[i]=$?; done
   local sn sf ss se sm so sw sk kmax=0 n=0 skipped=0 timeouts="" noresult="" slog
   failed=0 rc=0
@@ -253,7 +271,7 @@ run_shards() {
     slog="$LOGDIR/sanitize_${tool}_shard$i.log"
     read -r sn sf ss se sm so sw < <(parse "$slog")
     sk=$(sed -n 's/^qmoe_shard_select: collection skips \([0-9]*\)$/\1/p' "$slog" | tail -n1)
-    [[ -z "$sk" ]] && { sk=0; noresult+=" $i"; failed=$((failed + 1)); }  # crashed, timed out or refused its ids
+    [[ -z "$sk" ]] && { sk=0; noresult+=" $i"; }  # crashed, timed out or refused its ids (fails the tool below)
     echo "  shard $i/$nshards: $sn tests ($sf failed, $ss skipped, $sk of them at collection) of $(wc -l < "${slog%.log}.ids") ids; errors reported $se (qmoe $sm, other $so; warnings $sw); exit ${rcs[i]}"
     n=$((n + sn)) skipped=$((skipped + ss - sk)) failed=$((failed + sf))
     (( sk > kmax )) && kmax=$sk
@@ -271,6 +289,7 @@ run_shards() {
   [[ -n "$timeouts" ]] && ran+=", timed out: shard${timeouts}"
   (( finished < collected )) && ran+=", $((collected - finished)) left in sanitize_${tool}_left.ids"
   (( n == 0 && failed == 0 )) && failed=1
+  [[ -n "$noresult" ]] && failed_shards=1 || failed_shards=0
   log="$LOGDIR/sanitize_${tool}_shard*.log"
   return 0
 }
@@ -282,7 +301,7 @@ for tool in $TOOLS; do
   limit_var=QMOE_SANITIZE_LIMIT_$up
   limit=${!limit_var:-${LIMIT[$tool]:-120}}
   log="$LOGDIR/sanitize_$tool.log"
-  t=$(date +%s)
+  t=$(date +%s) failed_shards=0
   if [[ "$tool" == gemm_check ]]; then
     # The C++ GEMM check (every tactic, ragged experts, both scale layouts, E = 1024) under memcheck.
     if bash tests/gpu/build_w4a8_check.sh build/w4a8_check > "$log" 2>&1; then
@@ -313,7 +332,7 @@ for tool in $TOOLS; do
   fi
   secs=$(( $(date +%s) - t ))
   verdict=ok
-  (( failed > 0 )) && verdict=FAILED
+  (( failed > 0 || ${failed_shards:-0} > 0 )) && verdict=FAILED
   (( mine > 0 )) && verdict="FAILED (reports in qmoe)"
   [[ $rc -eq 124 ]] && verdict="TIMEOUT (raise QMOE_SANITIZE_LIMIT_$up or narrow QMOE_SANITIZE_K_$up)"
   [[ "$verdict" != ok ]] && status=1
@@ -326,4 +345,5 @@ done
 echo
 echo "== compute-sanitizer summary ($(( $(date +%s) - T0 ))s in all)"
 printf '  %s\n' "${LINES[@]}"
+pack_logs
 exit $status
