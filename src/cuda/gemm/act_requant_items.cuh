@@ -1,7 +1,7 @@
 // The second half of GEMM1's fused activation epilogue (w4a8_act_requant.h), shared by the mma.sync
 // decode kernel and the WGMMA prefill kernels: one tile's h, parked in shared memory as
 // park[token * TILE_M + tile row] (h = a_scale(row) * acc, the fp32 value the plain epilogue stores),
-// becomes A2 codes and s2:
+// (or park[token * kStride + tile row]) becomes A2 codes and s2:
 //
 //   gated:  A2[row, f0 + 2q + i] = e4m3(act(h[gate rows 2q + i], h[up rows F + 2q + i]) / a2)
 //   ReLU^2: A2[row, n0 + 2q + i] = e4m3(relu2(h[tile row 2q + i]) / a2)          (i = 0, 1)
@@ -39,10 +39,13 @@ __device__ __forceinline__ ActTileRows act_tile_rows(const ActRequantEpilogue& e
 }
 
 // Threads tid = 0 .. kThreads - 1 of the caller (all of them call this, after park is complete).
-template <int kTileM, int kThreads>
+// kStride: floats from one token's h to the next in park (kTileM, or more where padding spreads the
+// park writes over the shared-memory banks; a multiple of 2 for the float2 reads).
+template <int kTileM, int kThreads, int kStride = kTileM>
 __device__ __forceinline__ void act_requant_items(const ActRequantEpilogue& ep, const GroupedTile& t,
                                                   const float* park, int tid) {
   static_assert(kTileM % 4 == 0, "feature pairs of both halves");
+  static_assert(kStride >= kTileM && kStride % 2 == 0, "park rows hold a tile column, float2-aligned");
   constexpr int kHalf = kTileM / 2;  // F: features of a gated tile
   const float a2 = ep.a2_scale[0];
   if (ep.act.activation != Activation::kRelu2) {
@@ -52,8 +55,8 @@ __device__ __forceinline__ void act_requant_items(const ActRequantEpilogue& ep, 
 #pragma unroll 1
     for (int i = tid; i < t.rows * kPairs; i += kThreads) {
       const int token = i / kPairs, q = i % kPairs;
-      const float2 g = *reinterpret_cast<const float2*>(park + token * kTileM + 2 * q);
-      const float2 u = *reinterpret_cast<const float2*>(park + token * kTileM + kHalf + 2 * q);
+      const float2 g = *reinterpret_cast<const float2*>(park + token * kStride + 2 * q);
+      const float2 u = *reinterpret_cast<const float2*>(park + token * kStride + kHalf + 2 * q);
       const float v0 = fused::requant_value(fused::gated_value(ep.act, g.x, u.x), a2);
       const float v1 = fused::requant_value(fused::gated_value(ep.act, g.y, u.y), a2);
       const int feature = f0 + 2 * q;
@@ -67,7 +70,7 @@ __device__ __forceinline__ void act_requant_items(const ActRequantEpilogue& ep, 
 #pragma unroll 1
     for (int i = tid; i < t.rows * kPairs; i += kThreads) {
       const int token = i / kPairs, q = i % kPairs;
-      const float2 h = *reinterpret_cast<const float2*>(park + token * kTileM + 2 * q);
+      const float2 h = *reinterpret_cast<const float2*>(park + token * kStride + 2 * q);
       const float v0 = fused::requant_value(activation::relu2<float>(h.x), a2);
       const float v1 = fused::requant_value(activation::relu2<float>(h.y), a2);
       const int feature = t.n0 + 2 * q;

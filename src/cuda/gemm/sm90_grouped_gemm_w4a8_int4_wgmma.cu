@@ -45,6 +45,10 @@ constexpr int kMaxExperts = kTileListMaxExperts;
 constexpr int kStageW = kTileM * kGroup / 2;   // weights, 128 rows x 64 bytes
 constexpr int kStageS = kTileM * 8;            // scales: packed-4 rows of 8 bytes (packed-1 uses 256 bytes)
 constexpr int kTileStartBytes = (kMaxExperts + 1) * 4 + 32 * 4;  // tile prefix + warp totals
+// The fused epilogue's park: one token's h every kParkStride floats. A warp's park writes cover 8 rows
+// (gid) x 4 token columns 2 tig apart; with a 128-float pitch the 4 columns fall in the same bank
+// (4-way conflicts on every write), with 132 they land 8 banks apart (conflict-free).
+constexpr int kParkStride = kTileM + 4;
 
 // TILE_N token rows per tile (the wgmma N: 128, or 64 for experts with fewer rows). kAct: the fused
 // activation epilogue's park, h of one tile (TILE_N x 128 fp32), after the work list.
@@ -57,7 +61,7 @@ struct Shape {
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
   // park: 16-byte aligned (float2 reads), after the work list; the plain kernels keep their size.
   static constexpr int kParkOffset = (kStages * kStageBytes + kTileStartBytes + 15) / 16 * 16;
-  static constexpr int kParkBytes = kAct ? 16 + TILE_N * kTileM * 4 : 0;
+  static constexpr int kParkBytes = kAct ? 16 + TILE_N * kParkStride * 4 : 0;
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kTileStartBytes + kParkBytes;  // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
 };
@@ -213,8 +217,8 @@ __device__ __forceinline__ void park_tile(const WgmmaGemmParams& p, const Groupe
       const int c = 8 * j + 2 * tig + h;
       if (c < t.rows) {
         const float sc = p.a_scales_per_row ? p.a_scales[t.row0 + c] : p.a_scales[0];
-        park[c * kTileM + r0] = __fmul_rn(sc, acc[4 * j + h]);
-        park[c * kTileM + r1] = __fmul_rn(sc, acc[4 * j + 2 + h]);
+        park[c * kParkStride + r0] = __fmul_rn(sc, acc[4 * j + h]);
+        park[c * kParkStride + r1] = __fmul_rn(sc, acc[4 * j + 2 + h]);
       }
       acc[4 * j + h] = 0.f;
       acc[4 * j + 2 + h] = 0.f;
@@ -375,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
         // barrier at the next iteration retires park before the next tile's epilogue writes it.
         park_tile<kTileN>(p, t, acc, park, r0, r1, tig);
         __syncthreads();
-        act_requant_items<kTileM, kThreads>(p.act_out, t, park, tid);
+        act_requant_items<kTileM, kThreads, kParkStride>(p.act_out, t, park, tid);
       } else {
         store_tile<OutT, kTileN>(p, t, acc, r0, r1, tig);
       }
@@ -396,6 +400,7 @@ using wgmma_prefill::kGroup;
 using wgmma_prefill::kStageS;
 using wgmma_prefill::kStageW;
 using wgmma_prefill::kTileM;
+using wgmma_prefill::kParkStride;
 constexpr int kConsumers = 2;                     // compute warpgroups, 64 weight rows each
 constexpr int kThreads = 128 * (1 + kConsumers);  // + the loading warpgroup
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // setmaxnreg: 128 * 56 + 256 * 224 = 384 * 168
@@ -414,7 +419,7 @@ struct Shape {
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
   static constexpr int kBarrierBytes = 2 * kStages * 8;
   static constexpr int kParkOffset = (kStages * kStageBytes + kBarrierBytes + kTileStartBytes + 15) / 16 * 16;
-  static constexpr int kParkBytes = kAct ? 16 + TILE_N * kTileM * 4 : 0;
+  static constexpr int kParkBytes = kAct ? 16 + TILE_N * kParkStride * 4 : 0;
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes + kParkBytes;
   static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
 };
@@ -597,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma_prefill::Param
         // again before the next tile's epilogue may overwrite park (nothing else ties them together).
         wgmma_prefill::park_tile<TILE_N>(p, t, acc, park, r0, r1, tig);
         asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
-        act_requant_items<kTileM, 128 * kConsumers>(p.act_out, t, park, tid - 128);
+        act_requant_items<kTileM, 128 * kConsumers, kParkStride>(p.act_out, t, park, tid - 128);
         asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
       } else {
         wgmma_prefill::store_tile<OutT, TILE_N>(p, t, acc, r0, r1, tig);
