@@ -50,7 +50,21 @@ const std::vector<Tactic>& compiled() {
       // WGMMA with 64-token tiles (two CTAs per SM): chosen for 17-48 rows per expert.
       make(Family::kPrefill, 128, 64, 128),
   };
-  return list;
+  // Experimental, never chosen by the heuristic: the fp16 WGMMA decode tiles (128 weight rows x 16 or 32
+  // tokens, sm90_grouped_gemm_w4a8_int4_wgmma.cu wgmma_f16), written without a GPU. Listed (so that
+  // forcing, tuning and the tests that walk the compiled tactics reach them) only with
+  // QMOE_EXPERIMENTAL_TACTICS=1, read once.
+  static const std::vector<Tactic> with_experimental = [] {
+    std::vector<Tactic> l = list;
+    l.push_back(make(Family::kDecode, 128, 16, 128));
+    l.push_back(make(Family::kDecode, 128, 32, 128));
+    return l;
+  }();
+  static const bool experimental = [] {
+    const char* v = std::getenv("QMOE_EXPERIMENTAL_TACTICS");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return experimental ? with_experimental : list;
 }
 
 // The bf16 x 4-bit kernel (sm90_grouped_gemm_bf16_w4.cu), mma.sync bf16: the same tile names.
