@@ -420,7 +420,9 @@ struct Shape {
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
   static constexpr int kBarrierBytes = 2 * kStages * 8;
   static constexpr int kParkOffset = (kStages * kStageBytes + kBarrierBytes + kTileStartBytes + 15) / 16 * 16;
-  static constexpr int kParkBytes = kAct ? 16 + TILE_N * kParkStride * 4 : 0;
+  // + the two park mbarriers (parked, free) right after h
+  static constexpr int kParkFloats = TILE_N * kParkStride;
+  static constexpr int kParkBytes = kAct ? 16 + kParkFloats * 4 + 16 : 0;
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes + kParkBytes;
   static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
 };
@@ -452,8 +454,11 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
 // weights instead of ~9 for the exact lookup), and one more wgmma per K step with every weight -8 * 2^-9
 // cancels the bias inside the same fp32 partial (twice the tensor work; the fp8 accumulation then also
 // carries the bias term, whose rounding the A/B run must measure against the 1e-2 tolerance).
-// OutT ActE4m3: the fused activation epilogue (as wgmma_prefill::kernel; the two computing warpgroups
-// meet on named barrier 1 around it).
+// OutT ActE4m3: the fused activation epilogue. The computing warpgroups park each tile's h (after the
+// previous one was taken: mbarrier park_free) and go on; the loading warpgroup runs the items loop
+// (act_requant_items.cuh) on it between its loads (mbarrier parked). Session 6 ran the items loop in the
+// computing warpgroups between two named barriers: bitwise right, 6-10% slower than the separate path
+// at T = 4096 (the tensor cores waited); this version was written after that run, not yet on a GPU.
 template <class OutT, int TILE_N, bool BIASED = false>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma_prefill::ParamsOf<OutT> p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
@@ -468,12 +473,18 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma_prefill::Param
   int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kStages);
   int32_t* warp_total = tile_start + kMaxExperts + 1;
   [[maybe_unused]] float* park = reinterpret_cast<float*>(smem + S::kParkOffset);
+  [[maybe_unused]] uint64_t* parked = reinterpret_cast<uint64_t*>(park + S::kParkFloats);  // (kAct only)
+  [[maybe_unused]] uint64_t* park_free = parked + 1;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 128);               // every loading thread, after its copies landed
       mbar_init(&empty[s], 128 * kConsumers);  // every computing thread, after its wgmmas read the stage
+    }
+    if constexpr (kAct) {
+      mbar_init(parked, 128 * kConsumers);  // every computing thread, after its h is in park
+      mbar_init(park_free, 128);             // every loading thread, after its items of that h
     }
   }
   const int E = p.num_experts;
@@ -490,8 +501,25 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma_prefill::Param
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     GroupedTile t{0, 0, 0, 0};
     [[maybe_unused]] ActTileRows rows{0, 0};
+    // Fused epilogue: this warpgroup also turns each parked h into A2 and s2, so that the computing
+    // warpgroups go on with the next tile meanwhile. Tile u's h is taken once kStages - 1 stages past
+    // its end are loaded (the computing warpgroups then have that much work queued); the last tiles'
+    // after the loop. Deadlock-free: the computing warpgroups park tile u after tile u - 1's h was
+    // taken, which happens at an earlier load; they never wait for a load past tile u's end.
+    [[maybe_unused]] int pending = 0;
+    [[maybe_unused]] auto take_parked = [&]() {
+      if constexpr (kAct) {
+        mbar_wait(parked, pending & 1);
+        act_requant_items<kTileM, 128, kParkStride>(p.act_out, tiles[pending], park, tid);
+        mbar_arrive(park_free);
+        ++pending;
+      }
+    };
     for (int it = 0; it < total_iters; ++it) {
       const int g = it % groups, s = it % kStages;
+      if constexpr (kAct) {
+        while (pending < tiles.count && it >= (pending + 1) * groups + kStages - 1) take_parked();
+      }
       if (g == 0) {
         t = tiles[it / groups];
         if constexpr (kAct) rows = act_tile_rows<kTileM>(p.act_out, t.n0);
@@ -504,6 +532,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma_prefill::Param
         wgmma_prefill::load_stage<TILE_N, 128>(p, t, g, wgmma_prefill::smem_u32(stages + s * S::kStageBytes), tid);
       }
       mbar_arrive_cp_async(&full[s]);
+    }
+    if constexpr (kAct) {
+      while (pending < tiles.count) take_parked();
     }
     wgmma_prefill::cp_async_wait<0>();  // no copy outlives its thread
     return;
@@ -598,13 +629,12 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma_prefill::Param
     }
     if (g == groups - 1) {
       if constexpr (kAct) {
-        // Fused epilogue: both computing warpgroups park their halves of h (named barrier 1: 256
-        // threads, the loading warpgroup not among them), take (token, feature pair) items, and meet
-        // again before the next tile's epilogue may overwrite park (nothing else ties them together).
+        // Fused epilogue: park h (once the loading warpgroup has taken the previous tile's), signal,
+        // and go on with the next tile; the loading warpgroup writes A2 and s2 from park.
+        const int u = it / groups;
+        if (u > 0) mbar_wait(park_free, (u - 1) & 1);
         wgmma_prefill::park_tile<TILE_N>(p, t, acc, park, r0, r1, tig);
-        asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
-        act_requant_items<kTileM, 128 * kConsumers, kParkStride>(p.act_out, t, park, tid - 128);
-        asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
+        mbar_arrive(parked);
       } else {
         wgmma_prefill::store_tile<OutT, TILE_N>(p, t, acc, r0, r1, tig);
       }
@@ -645,6 +675,10 @@ using wgmma_prefill::kStageW;
 using wgmma_prefill::kTileM;
 constexpr int kConsumers = 2;                     // computing warpgroups, 64 weight rows each
 constexpr int kThreads = 128 * (1 + kConsumers);  // + the loading warpgroup
+// One CTA per SM: 128 x 40 + 256 x 232 <= 65536 registers. The computing warpgroups need every A
+// register of a K group live at once (32) besides part and acc: under the 80 registers of two CTAs per
+// SM ptxas serialized the wgmmas (C7512).
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 constexpr int kMaxExperts = kTileListMaxExperts;
 constexpr int kTileStartBytes = (kMaxExperts + 1) * 4 + 32 * 4;
 
@@ -655,13 +689,13 @@ struct Shape {
   static constexpr int kStageA = TILE_N * kGroup;  // e4m3 as loaded (load_stage's layout)
   static constexpr int kStageBytes = kStageA + kStageW + kStageS;
   static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of the swizzled tiles");
-  static constexpr int kStages = 6;                       // 6 x 11-13 KB: two CTAs per SM
+  static constexpr int kStages = 12;                      // 12 x 11-13 KB: deep enough to cover HBM latency
   static constexpr int kAtomBytes = TILE_N * 128;         // fp16 operand: 64 K of TILE_N tokens
   static constexpr int kOperandBytes = 2 * kAtomBytes;    // one warpgroup's 128 K
   static constexpr int kOperandOffset = kStages * kStageBytes;
   static constexpr int kBarrierOffset = kOperandOffset + kConsumers * kOperandBytes;
   static constexpr int kSmemBytes = 1024 + kBarrierOffset + 2 * kStages * 8 + kTileStartBytes;
-  static_assert(kSmemBytes <= 113 * 1024, "two CTAs per SM");
+  static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
 };
 
 // d (64 x TILE_N fp32 per warpgroup) (+)= A (64 x 16 fp16, registers) * B^T (TILE_N x 16 fp16, smem, K-major).
@@ -709,7 +743,7 @@ __device__ __forceinline__ void stage_operand(const uint8_t* sa, uint8_t* opnd, 
 }
 
 template <class OutT, int TILE_N>
-__global__ void __launch_bounds__(kThreads, 2) kernel(const WgmmaGemmParams p) {
+__global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   using S = Shape<TILE_N>;
   constexpr int kStages = S::kStages;
@@ -738,6 +772,7 @@ __global__ void __launch_bounds__(kThreads, 2) kernel(const WgmmaGemmParams p) {
 
   if (wg == 0) {
     // ---- Loading warpgroup (as wgmma_ws): stage it % kStages once both computing warpgroups released it.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     GroupedTile t{0, 0, 0, 0};
     for (int it = 0; it < total_iters; ++it) {
       const int g = it % groups, s = it % kStages;
@@ -751,6 +786,7 @@ __global__ void __launch_bounds__(kThreads, 2) kernel(const WgmmaGemmParams p) {
   }
 
   // ---- Computing warpgroups: warp w of warpgroup c owns weight rows 64 c + 16 (w % 4) + {gid, gid + 8}.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int gid = lane >> 2, tig = lane & 3, c = wg - 1;
   const int r0 = c * 64 + (warp & 3) * 16 + gid, r1 = r0 + 8;
   uint8_t* opnd = smem + S::kOperandOffset + c * S::kOperandBytes;
