@@ -10,6 +10,7 @@
 #include <atomic>
 #include <string>
 
+#include "cuda/common/pdl.cuh"  // launch_kernel
 #include "cuda/launch.h"  // check_cuda
 #include "qmoe/error.h"
 #include "qmoe/sm_limit.h"
@@ -34,6 +35,17 @@ int resident_ctas(int threads, int smem_bytes, int device, const char* what) {
   }
   const int limit = sm_limit();
   return per_sm * (limit > 0 && limit < sms ? limit : sms);
+}
+
+// A persistent grid of kKernel on this thread's current device: as many CTAs as fit at once.
+// what: the kernel in words, for the errors.
+template <auto kKernel, class Params>
+void launch_persistent(int threads, int smem_bytes, cudaStream_t stream, const Params& params, const char* what) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const int fit = resident_ctas<kKernel>(threads, smem_bytes, device, what);
+  launch_kernel(kKernel, dim3(fit), dim3(threads), smem_bytes, stream, params);
+  check_cuda(cudaGetLastError(), what);
 }
 
 // SMs a persistent grid may use on a device: its SM count (queried once, cached), capped by this

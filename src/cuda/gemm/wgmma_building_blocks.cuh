@@ -1,0 +1,206 @@
+// Building blocks of the W4A8 WGMMA kernels (sm90_grouped_gemm_w4a8_int4_wgmma.cu: the e4m3 tiles;
+// sm90_grouped_gemm_w4a8_int4_wgmma_f16.cu: the fp16 decode tile). A pipeline stage is one K group
+// (128) of one tile: TILE_N activation rows (e4m3, 128-byte swizzle), 128 weight rows (int4, 64 bytes
+// each), their bf16 scales; load_stage fills it with cp.async. Also: shared-memory addressing, the
+// wgmma descriptor and fences, the mbarriers of the warp-specialized kernels, and the two epilogue
+// stores (plain, and the fused activation epilogue's park).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/common/store_out.cuh"
+#include "cuda/gemm/act_requant_items.cuh"
+#include "cuda/gemm/grouped_tile_list.cuh"
+#include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
+
+namespace qmoe::cuda::wgmma {
+
+constexpr int kTileM = 128;    // weight rows (64 per warpgroup: the wgmma M)
+constexpr int kGroup = 128;    // K per stage: one quantization group
+constexpr int kMaxExperts = kTileListMaxExperts;
+constexpr int kStageW = kTileM * kGroup / 2;   // weights, 128 rows x 64 bytes
+constexpr int kStageS = kTileM * 8;            // scales: packed-4 rows of 8 bytes (packed-1 uses 256 bytes)
+constexpr int kTileStartBytes = (kMaxExperts + 1) * 4 + 32 * 4;  // tile prefix + warp totals
+// The fused epilogue's park: one token's h every kParkStride floats. A warp's park writes cover 8 rows
+// (gid) x 4 token columns 2 tig apart; with a 128-float pitch the 4 columns fall in the same bank
+// (4-way conflicts on every write), with 132 they land 8 banks apart (conflict-free).
+constexpr int kParkStride = kTileM + 4;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// The first 1024-byte aligned address of the dynamic shared memory. NOTE: offset from the __shared__
+// array itself, not rounded as an integer and cast back: that loses the address space, and every
+// access through the pointer then compiles to a generic load (LD.E) instead of LDS.
+__device__ __forceinline__ uint8_t* align_1024(uint8_t* smem_raw) {
+  return smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+}
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// wgmma descriptor of a K-major operand tile with 128-byte swizzle: rows of 128 bytes, 8-row
+// atoms 1024 bytes apart (stride byte offset); the leading byte offset is unused with swizzling.
+__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_addr) {
+  uint64_t desc = (smem_addr & 0x3FFFF) >> 4;
+  desc |= uint64_t{1} << 16;            // leading byte offset (unused, 1 by convention)
+  desc |= uint64_t{1024 >> 4} << 32;    // stride byte offset
+  desc |= uint64_t{1} << 62;            // 128-byte swizzle
+  return desc;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// NOTE: keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// One pipeline stage (K group g of tile t) into shared memory at sa: TILE_N activation rows (128-byte
+// swizzle), the tile's 128 weight rows, their scales of group g; LOADERS threads (loader = 0..LOADERS-1)
+// share the 16-byte copies. Rows past the expert's end or past N are zero-filled, nothing read.
+// kAct (the fused activation epilogue): tile row r is weight row w.lo + r (+ w.jump in the second
+// half: act_requant_items.cuh); else weight row n0 + r.
+template <int TILE_N, int LOADERS, bool kAct = false>
+__device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const GroupedTile& t, int g, uint32_t sa,
+                                           int loader, ActTileRows w = {0, 0}) {
+  // Offset of tile row r's weight row from expert row 0 (the plain kernels keep their exact address
+  // arithmetic: if constexpr).
+  auto weight_row = [&](int r) {
+    if constexpr (kAct) {
+      return w.lo + r + (r >= kTileM / 2 ? w.jump : 0);
+    } else {
+      return t.n0 + r;
+    }
+  };
+  static_assert(LOADERS >= kTileM / 2 && LOADERS % 8 == 0, "a scale copy per row pair, whole activation rows");
+  constexpr int kRowsA = LOADERS / 8, kRowsW = LOADERS / 4;  // rows per pass: 8 and 4 chunks per row
+  const uint32_t sw = sa + TILE_N * kGroup, ss = sw + kStageW;  // (every kernel's stage: activations, weights, scales)
+  const int a_row = loader / 8, a_chunk = loader % 8;
+  const int w_row = loader / 4, w_chunk = loader % 4;
+#pragma unroll
+  for (int i = 0; i < TILE_N / kRowsA; ++i) {
+    const int r = a_row + kRowsA * i;
+    const bool valid = r < t.rows;
+    const uint8_t* src = valid ? p.a + static_cast<int64_t>(t.row0 + r) * p.k + g * kGroup + a_chunk * 16 : p.a;
+    cp_async_16(sa + r * kGroup + ((a_chunk ^ (r & 7)) << 4), src, valid);
+  }
+  const int64_t w_row_bytes = p.k / 2;
+#pragma unroll
+  for (int i = 0; i < kTileM / kRowsW; ++i) {
+    const int r = w_row + kRowsW * i;
+    const bool valid = t.n0 + r < p.n;
+    const uint8_t* src = p.b;
+    if constexpr (kAct) {
+      if (valid) src = p.b + (static_cast<int64_t>(t.expert) * p.n + weight_row(r)) * w_row_bytes + g * (kGroup / 2) +
+                       w_chunk * 16;
+    } else {
+      src = valid ? p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + r) * w_row_bytes + g * (kGroup / 2) + w_chunk * 16
+                  : p.b;
+    }
+    cp_async_16(sw + r * (kGroup / 2) + w_chunk * 16, src, valid);
+  }
+  if (p.scales_packed4) {
+    // Row pair (2 loader, 2 loader + 1): their 8-byte blocks of the 512-wide K block holding group g.
+    if (loader < kTileM / 2) {
+      const bool valid = t.n0 + 2 * loader < p.n;
+      const __nv_bfloat16* src =
+          valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / 512) + g / 4) * 4 * p.n + 4 * weight_row(2 * loader)
+                : p.b_scales;
+      cp_async_16(ss + loader * 16, src, valid);
+    }
+  } else if (loader < kTileM / 8) {
+    const bool valid = t.n0 + 8 * loader < p.n;
+    const __nv_bfloat16* src = p.b_scales;
+    if constexpr (kAct) {
+      if (valid) src = p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / kGroup) + g) * p.n + weight_row(8 * loader);
+    } else {
+      src = valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / kGroup) + g) * p.n + t.n0 + 8 * loader
+                  : p.b_scales;
+    }
+    cp_async_16(ss + loader * 16, src, valid);
+  }
+}
+
+template <class OutT>
+using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActGemmParams, WgmmaGemmParams>;
+
+// The fused activation epilogue's first half (both kernels): this thread's accumulators of tile t
+// (rows r0, r1; token columns 8 j + 2 tig + h) into park as h = a_scale(row) * acc, the value the fp32
+// epilogue stores (__fmul_rn: one rounding, never contracted), then zeroed. Token columns past the
+// tile's rows are not written (act_requant_items reads only t.rows tokens).
+template <int TILE_N>
+__device__ __forceinline__ void park_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
+                                          float* park, int r0, int r1, int tig) {
+#pragma unroll
+  for (int j = 0; j < TILE_N / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = 8 * j + 2 * tig + h;
+      if (c < t.rows) {
+        const float sc = p.a_scales_per_row ? p.a_scales[t.row0 + c] : p.a_scales[0];
+        park[c * kParkStride + r0] = __fmul_rn(sc, acc[4 * j + h]);
+        park[c * kParkStride + r1] = __fmul_rn(sc, acc[4 * j + 2 + h]);
+      }
+      acc[4 * j + h] = 0.f;
+      acc[4 * j + 2 + h] = 0.f;
+    }
+  }
+}
+
+// The plain epilogue (both kernels): accumulator (row r, token column 8 j + 2 tig + h) of tile t ->
+// D[token, feature] = out(a_scale(token) * acc), then zeroed.
+template <class OutT, int TILE_N>
+__device__ __forceinline__ void store_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
+                                           int r0, int r1, int tig) {
+  const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
+#pragma unroll
+  for (int j = 0; j < TILE_N / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = 8 * j + 2 * tig + h;
+      if (c < t.rows) {
+        const int64_t row = t.row0 + c;
+        const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
+        OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
+        if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
+        if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
+      }
+      acc[4 * j + h] = 0.f;
+      acc[4 * j + 2 + h] = 0.f;
+    }
+  }
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Arrives once this thread's earlier cp.asyncs have landed (the count was set at init: noinc).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  const uint32_t addr = smem_u32(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+}  // namespace qmoe::cuda::wgmma
