@@ -308,6 +308,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
   const auto tiles =
       cta_tiles<kThreads, kTileM, TILE_N>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
   if (tiles.empty()) return;
+  if constexpr (kAct) {
+    static_assert(kStages >= 2, "the loader takes a parked h kStages - 1 loads past its tile");
+    if (groups == 0) return;  // (the API rejects K = 0; without groups no h is ever parked)
+  }
   const int total_iters = tiles.count * groups;
 
   if (wg == 0) {
@@ -318,8 +322,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
     // Fused epilogue: this warpgroup also turns each parked h into A2 and s2, so that the computing
     // warpgroups go on with the next tile meanwhile. Tile u's h is taken once kStages - 1 stages past
     // its end are loaded (the computing warpgroups then have that much work queued); the last tiles'
-    // after the loop. Deadlock-free: the computing warpgroups park tile u after tile u - 1's h was
-    // taken, which happens at an earlier load; they never wait for a load past tile u's end.
+    // after the loop. Deadlock-free (kStages >= 2): the computing warpgroups park tile u after tile
+    // u - 1's h was taken, which happens at an earlier load, and after the first stage of tile u + 1,
+    // which the kStages - 1 margin has loaded before the loader waits for tile u's h.
     [[maybe_unused]] int pending = 0;
     [[maybe_unused]] auto take_parked = [&]() {
       if constexpr (kAct) {
