@@ -6,7 +6,8 @@
 //     and 0x88 is -8 * 2^-9.
 //   - the K slots of the fp16 WGMMA decode tile (sm90_grouped_gemm_w4a8_int4_wgmma.cu, wgmma_f16): the
 //     weights as its A fragments take them and the activations as its operand writer places them meet
-//     in the same logical K, so one 128-wide group sums (q + 8) * a over every physical K once.
+//     in the same logical K, so one 128-wide group sums q * a over every physical K once; its weight
+//     codes (int4x8_to_magic_f16) minus their constant are q and 16 q exactly.
 // The GPU tests check the kernels end to end; these pin the encodings they rely on.
 #include <gtest/gtest.h>
 
@@ -53,9 +54,31 @@ TEST(Int4OperandCodes, BiasConstants) {
   EXPECT_EQ(qmoe::e4m3_to_float(0x88), -8.0f * std::ldexp(1.0f, -9));  // the WGMMA bias weight
 }
 
+TEST(Int4OperandCodes, MagicFp16MinusItsConstantIsQEveryNibbleAndPosition) {
+  uint32_t filler = 0x2545F491u;
+  for (int position = 0; position < 8; ++position) {
+    for (int q = -8; q <= 7; ++q) {
+      filler = filler * 1664525u + 1013904223u;
+      const uint32_t x = (filler & ~(0xFu << (4 * position))) | (static_cast<uint32_t>(q & 0xF) << (4 * position));
+      uint32_t m04, m26, m15, m37;
+      qmoe::cuda::int4x8_to_magic_f16(x, m04, m26, m15, m37);
+      const uint32_t reg = position % 2 == 0 ? (position % 4 == 0 ? m04 : m26) : (position % 4 == 1 ? m15 : m37);
+      const uint32_t magic = position % 2 == 0 ? qmoe::cuda::kF16Magic : qmoe::cuda::kF16MagicX16;
+      const uint16_t half = static_cast<uint16_t>(position < 4 ? reg & 0xFFFF : reg >> 16);
+      const double unit = position % 2 == 0 ? 1.0 : 16.0;
+      EXPECT_EQ(f16_value(half) - f16_value(static_cast<uint16_t>(magic & 0xFFFF)), q * unit)
+          << "position " << position << " q " << q;
+      EXPECT_EQ(magic & 0xFFFF, magic >> 16);
+    }
+  }
+  EXPECT_EQ(f16_value(static_cast<uint16_t>(qmoe::cuda::kF16Magic)), 1032.0);
+  EXPECT_EQ(f16_value(static_cast<uint16_t>(qmoe::cuda::kF16MagicX16)), 1152.0);
+}
+
 // One weight row and one token over a 128-wide K group, through wgmma_f16's index math (kept in step
 // with the kernel): A side: thread tig's word b (bytes 16 tig + 4 b of the row) feeds k16 steps 2 b + s,
-// registers a0 (logical K 2 tig + e of the step) = u04 / u26 and a2 (8 + 2 tig + e) = u15 / u37.
+// registers a0 (logical K 2 tig + e of the step) = m04 / m26 and a2 (8 + 2 tig + e) = m15 / m37, each
+// minus its magic constant (int4x8_to_magic_f16: q, or 16 q).
 // B side (stage_operand): the run at physical K 32 tig + 8 b gives chunk q of logical K 32 b + 8 q the
 // pair (e_q, e_{q+4}) at positions 2 tig, 2 tig + 1, divided by 16 for odd q (e4m3x8_to_f16_slots).
 TEST(Int4OperandCodes, WgmmaF16SlotsPairEveryPhysicalKOnce) {
@@ -78,14 +101,15 @@ TEST(Int4OperandCodes, WgmmaF16SlotsPairEveryPhysicalKOnce) {
       for (int b = 0; b < 4; ++b) {
         const int byte = 16 * tig + 4 * b;
         const uint32_t word = row[byte] | row[byte + 1] << 8 | row[byte + 2] << 16 | static_cast<uint32_t>(row[byte + 3]) << 24;
-        uint32_t u04, u26, u15, u37;
-        qmoe::cuda::int4x8_to_biased_f16(word, u04, u26, u15, u37);
+        uint32_t m04, m26, m15, m37;
+        qmoe::cuda::int4x8_to_magic_f16(word, m04, m26, m15, m37);
         for (int s = 0; s < 2; ++s) {
-          const uint32_t a0 = s == 0 ? u04 : u26, a2 = s == 0 ? u15 : u37;
+          const uint32_t a0 = s == 0 ? m04 : m26, a2 = s == 0 ? m15 : m37;
           for (int e = 0; e < 2; ++e) {
             const int l0 = 16 * (2 * b + s) + 2 * tig + e, l2 = l0 + 8;
-            weight_slot[l0] = f16_value(static_cast<uint16_t>(e == 0 ? a0 & 0xFFFF : a0 >> 16));
-            weight_slot[l2] = f16_value(static_cast<uint16_t>(e == 0 ? a2 & 0xFFFF : a2 >> 16));
+            // the kernel's f16x2 subtract of 1032 / 1152 (exact: integers below 2048)
+            weight_slot[l0] = f16_value(static_cast<uint16_t>(e == 0 ? a0 & 0xFFFF : a0 >> 16)) - 1032;
+            weight_slot[l2] = f16_value(static_cast<uint16_t>(e == 0 ? a2 & 0xFFFF : a2 >> 16)) - 1152;
             ++weight_set[l0];
             ++weight_set[l2];
           }
@@ -107,8 +131,8 @@ TEST(Int4OperandCodes, WgmmaF16SlotsPairEveryPhysicalKOnce) {
       ASSERT_EQ(act_set[l], 1) << "logical K " << l;
       dot += weight_slot[l] * act_slot[l];
     }
-    for (int k = 0; k < 128; ++k) want += (q[k] + 8) * static_cast<double>(a[k]);
-    EXPECT_EQ(dot, want * std::ldexp(1.0, -24)) << "trial " << trial;
+    for (int k = 0; k < 128; ++k) want += q[k] * static_cast<double>(a[k]);
+    EXPECT_EQ(dot, want) << "trial " << trial;
   }
 }
 

@@ -8,13 +8,13 @@
 // 9-48 rows per expert the mma.sync n16 tile pays one MMA chain per 8 tokens and per weight fragment
 // and, with ragged routing, a second token tile for every expert past 16 rows (status.md, session 7
 // ncu), while the e4m3 WGMMA tiles pay ~18 instructions per 8 weights for the exact lookup. Here the
-// weights enter the tensor cores as biased fp16 subnormals (int4_to_f16.cuh: 5 instructions per 8
-// weights), the tokens as exact fp16 in the matching K slots, fp32 accumulation, and one more wgmma
-// per K step with every weight -8 cancels the bias in fp32 (as the mma.sync decode tiles do).
+// weights enter the tensor cores as exact fp16 q (int4_to_f16.cuh int4x8_to_magic_f16: one mask-xor
+// per two weights gives 1024 + q + 8, one f16x2 subtract leaves q; 9 instructions per 8 weights, no
+// bias term), the tokens as exact fp16 in the matching K slots, fp32 accumulation.
 //
 // K slots. Per 128-wide group and weight row, thread tig (lane % 4) reads the 16 bytes at 16 tig: four
 // words of 8 int4, word b = physical K 32 tig + 8 b .. + 7, which feed k16 steps 2 b and 2 b + 1.
-// int4x8_to_biased_f16 gives f16 pairs (e0, e4), (e1, e5) x16, (e2, e6), (e3, e7) x16; as the wgmma A
+// int4x8_to_magic_f16 gives f16 pairs (e0, e4), (e1, e5) x16, (e2, e6), (e3, e7) x16; as the wgmma A
 // fragment (a0/a1: logical K 2 tig + {0, 1}, a2/a3: 8 + 2 tig + {0, 1} of the step) they are steps
 // 2b (a0,a1 <- (e0,e4), a2,a3 <- (e1,e5)) and 2b + 1 (<- (e2,e6), (e3,e7)). So logical K
 // l = 32 b + 16 s + 8 h + 2 tig + e holds physical K 32 tig + 8 b + 2 s + h + 4 e, its activation
@@ -82,28 +82,35 @@ __device__ __forceinline__ void wgmma_f16_k16(float (&d)[16], uint32_t a0, uint3
 }
 
 // The stage's e4m3 activations (load_stage: token n's 128 bytes at n * 128, 16-byte chunk c at
-// position c ^ (n & 7)) -> this warpgroup's fp16 operand in the K slots above. Item (n, b): the four
-// 8-byte runs at physical K 32 tig + 8 b (tig = 0..3) become the logical 16-byte chunks q = 0..3 of
-// K 32 b + 8 q (chunk q holds the q-th f16 pair of every run). wtid: 0..127 in the warpgroup.
+// position c ^ (n & 7)) -> this warpgroup's fp16 operand in the K slots above. Item (n, b), one per
+// thread (TILE_N * 4 <= 128): the four 8-byte runs at physical K 32 tig + 8 b (tig = 0..3) become the
+// logical 16-byte chunks q = 0..3 of K 32 b + 8 q (chunk q holds the q-th f16 pair of every run).
+// The offsets do not depend on the stage: computed once (OperandItem), used every K group.
+struct OperandItem {
+  int src[4];  // byte offsets of the runs in a stage
+  int dst[4];  // byte offsets of the chunks in the operand
+};
 template <int TILE_N>
-__device__ __forceinline__ void stage_operand(const uint8_t* sa, uint8_t* opnd, int wtid) {
+__device__ __forceinline__ OperandItem operand_item(int wtid) {
+  OperandItem it{};
+  const int n = wtid >> 2, b = wtid & 3, sw = n & 7;
 #pragma unroll
-  for (int item = wtid; item < TILE_N * 4; item += 128) {
-    const int n = item >> 2, b = item & 3, sw = n & 7;
-    uint32_t slot[4][4];  // [q][tig]
-#pragma unroll
-    for (int tig = 0; tig < 4; ++tig) {
-      const int chunk = 2 * tig + (b >> 1);
-      const uint2 run = *reinterpret_cast<const uint2*>(sa + n * kGroup + ((chunk ^ sw) << 4) + (b & 1) * 8);
-      e4m3x8_to_f16_slots(run.x, run.y, slot[0][tig], slot[2][tig], slot[1][tig], slot[3][tig]);
-    }
-    uint8_t* atom = opnd + (b >> 1) * Shape<TILE_N>::kAtomBytes + n * 128;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int c = 4 * (b & 1) + q;  // 16-byte chunk of the 128-byte row (64 K per atom)
-      *reinterpret_cast<uint4*>(atom + ((c ^ sw) << 4)) = make_uint4(slot[q][0], slot[q][1], slot[q][2], slot[q][3]);
-    }
+  for (int i = 0; i < 4; ++i) {
+    it.src[i] = n * kGroup + (((2 * i + (b >> 1)) ^ sw) << 4) + (b & 1) * 8;  // run of tig = i
+    it.dst[i] = (b >> 1) * Shape<TILE_N>::kAtomBytes + n * 128 + (((4 * (b & 1) + i) ^ sw) << 4);  // chunk q = i
   }
+  return it;
+}
+__device__ __forceinline__ void stage_operand(const OperandItem& it, const uint8_t* sa, uint8_t* opnd) {
+  uint32_t slot[4][4];  // [q][tig]
+#pragma unroll
+  for (int tig = 0; tig < 4; ++tig) {
+    const uint2 run = *reinterpret_cast<const uint2*>(sa + it.src[tig]);
+    e4m3x8_to_f16_slots(run.x, run.y, slot[0][tig], slot[2][tig], slot[1][tig], slot[3][tig]);
+  }
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    *reinterpret_cast<uint4*>(opnd + it.dst[q]) = make_uint4(slot[q][0], slot[q][1], slot[q][2], slot[q][3]);
 }
 
 template <class OutT, int TILE_N>
@@ -154,12 +161,22 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
   const int gid = lane >> 2, tig = lane & 3, c = wg - 1;
   const int r0 = c * 64 + (warp & 3) * 16 + gid, r1 = r0 + 8;
   uint8_t* opnd = smem + S::kOperandOffset + c * S::kOperandBytes;
-  const uint32_t opnd_u32 = wgmma::smem_u32(opnd);
+  const int wtid = tid - 128 * wg;
+  const bool stages_operand = wtid < TILE_N * 4;  // (TILE_N 16: half the threads)
+  const OperandItem item = operand_item<TILE_N>(stages_operand ? wtid : 0);
+  // The operand's wgmma descriptors, k16 step 2 b + s: logical K 32 b + 16 s, in atom b / 2 at byte
+  // 32 (2 (b % 2) + s) of each 128-byte row (the descriptor counts 16-byte units).
+  // (The +2 (j % 3) stays inside the low word: the start address field is 14 bits of an address below
+  // 228 KB; built from 32-bit halves so that no 64-bit carry chain is recomputed every K group.)
+  uint64_t desc[8];
+  const uint64_t desc0 = wgmma::make_desc_sw128(wgmma::smem_u32(opnd));
+  const uint32_t desc_hi = static_cast<uint32_t>(desc0 >> 32), desc_lo = static_cast<uint32_t>(desc0);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    desc[j] = (uint64_t{desc_hi} << 32) | (desc_lo + ((j >> 2) * S::kAtomBytes >> 4) + 2 * (j & 3));
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
-  // The bias wgmma's A: every weight -8 (x16 in the slots whose activations are divided by 16).
-  const uint32_t bias[2] = {kF16MinusEight, kF16MinusEightX16};
 
   GroupedTile t{0, 0, 0, 0};
   for (int it = 0; it < total_iters; ++it) {
@@ -173,12 +190,12 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
     const uint4 w0 = *reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2) + 16 * tig);
     const uint4 w1 = *reinterpret_cast<const uint4*>(sw + r1 * (kGroup / 2) + 16 * tig);
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(sw + kStageW);
-    const float s0 = kF16BiasedUnit * __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
-    const float s1 = kF16BiasedUnit * __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
+    const float s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
+    const float s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
     // The operand is rewritten only after every warp of this warpgroup has waited for the previous
     // group's wgmmas (which read it): the warpgroup's named barrier (1 + c), once before, once after.
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
-    stage_operand<TILE_N>(st, opnd, tid - 128 * wg);
+    if (stages_operand) stage_operand(item, st, opnd);
     wgmma::mbar_arrive(&empty[s]);
     // The operand's generic-proxy stores must be visible to the tensor cores (async proxy) of the
     // whole warpgroup before its first wgmma: fence, then the barrier.
@@ -187,23 +204,20 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
     // Every A register is written before the first wgmma and none is reused while they run (the
     // tensor cores read register operands asynchronously: reuse would serialize them).
     const uint32_t words0[4] = {w0.x, w0.y, w0.z, w0.w}, words1[4] = {w1.x, w1.y, w1.z, w1.w};
-    uint32_t a[4][8];  // [b][u04, u26, u15, u37 of row r0, then of row r1]
+    uint32_t a[4][8];  // [b][(e0,e4), (e2,e6), (e1,e5) x16, (e3,e7) x16 of row r0, then of row r1]
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      int4x8_to_biased_f16(words0[b], a[b][0], a[b][1], a[b][2], a[b][3]);
-      int4x8_to_biased_f16(words1[b], a[b][4], a[b][5], a[b][6], a[b][7]);
+      int4x8_to_magic_f16(words0[b], a[b][0], a[b][1], a[b][2], a[b][3]);
+      int4x8_to_magic_f16(words1[b], a[b][4], a[b][5], a[b][6], a[b][7]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[b][i] = hsub2(a[b][i], (i & 2) ? kF16MagicX16 : kF16Magic);
     }
     wgmma::wgmma_fence();
     wgmma::fence_operands(part);
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      // k16 steps 2 b and 2 b + 1: logical K 32 b + 16 s, in atom b / 2 at byte 32 (2 (b % 2) + s).
-      const uint64_t desc = wgmma::make_desc_sw128(opnd_u32 + (b >> 1) * S::kAtomBytes);
-      const uint64_t d0 = desc + 2 * (2 * (b & 1)), d1 = d0 + 2;
-      wgmma_f16_k16(part, a[b][0], a[b][4], a[b][2], a[b][6], d0, b > 0);
-      wgmma_f16_k16(part, bias[0], bias[0], bias[1], bias[1], d0, 1);
-      wgmma_f16_k16(part, a[b][1], a[b][5], a[b][3], a[b][7], d1, 1);
-      wgmma_f16_k16(part, bias[0], bias[0], bias[1], bias[1], d1, 1);
+      wgmma_f16_k16(part, a[b][0], a[b][4], a[b][2], a[b][6], desc[2 * b], b > 0);
+      wgmma_f16_k16(part, a[b][1], a[b][5], a[b][3], a[b][7], desc[2 * b + 1], 1);
     }
     wgmma::wgmma_commit();
     wgmma::wgmma_wait_all();  // (also frees the operand tile for the next stage's writes)
