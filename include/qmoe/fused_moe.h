@@ -72,7 +72,8 @@ struct FusedMoeParams {
   bool deterministic = false;  // false: fused (atomic) finalize; true: fixed-order fp32 sum
   float routed_scaling_factor = 1.0f;
   std::string tactic;          // empty: heuristic
-  bool enable_pdl = false;     // CUDA: programmatic dependent launch between the pipeline's kernels
+  bool enable_pdl = true;      // CUDA: programmatic dependent launch between the pipeline's kernels
+                               // (same results; FlashInfer's default)
   // CUDA, fused finalize (deterministic == false) only: a side stream for the zeroing of `output`,
   // forked from and joined back into the call's stream through events, so the memset overlaps the
   // kernels before GEMM2 (FlashInfer's aux_stream). nullptr: the memset runs on the call's stream.

@@ -114,7 +114,7 @@ struct DevRouting {
   fz::RowRouting rr;
   explicit DevRouting(const Routing& r)
       : ids(r.local_ids), offsets(r.offsets), in_perm(r.in_perm), out_perm(r.out_perm),
-        rr{ids.p, offsets.p, in_perm.p, static_cast<int>(r.local), static_cast<int>(r.topk), r.slots} {}
+        rr{ids.p, offsets.p, in_perm.p, out_perm.p, static_cast<int>(r.local), static_cast<int>(r.topk), r.slots} {}
 };
 
 std::vector<uint16_t> rnd_bf16(size_t n) {

@@ -62,6 +62,11 @@ DEFAULT_MODELS = ("deepseek_v3", "qwen3_30b_a3b", "mixtral_8x7b", "qwen3_235b_a2
 DEFAULT_TOKENS = (1, 8, 64, 512, 4096)
 DRY_RUN_TOKENS = (1, 8, 64)
 FINALIZES = {"det": True, "fused": False}  # name -> qmoe.fused_moe(deterministic=...)
+
+
+def _pdl_kwargs(args) -> dict:
+    """--pdl: qmoe.fused_moe's enable_pdl, or nothing (the library's default)."""
+    return {} if args.pdl == "default" else {"enable_pdl": args.pdl == "on"}
 PEER_FILE = "2026-11-30_h200_vllm_triton_moe.json"
 PEER_FORMATS = ("bf16", "fp8", "int4")
 MODES = tuple(common.QUANT_MODES)  # run order
@@ -94,6 +99,8 @@ def _parse_args(argv):
     p.add_argument("--max-weight-gb", type=float, default=40.0, help="cap on the memory of one implementation's sets")
     p.add_argument("--dynamic-scales", action="store_true",
                    help="qmoe w4a8_int4: dynamic a1 and a2 instead of static (the other modes take no such choice)")
+    p.add_argument("--pdl", choices=["default", "on", "off"], default="default",
+                   help="qmoe's enable_pdl (default: the library's default)")
     p.add_argument("--no-torch-peers", action="store_true", help="skip the torch._grouped_mm MoE peers")
     p.add_argument("--peers", default=common.peer_path(PEER_FILE, "QMOE_VLLM_PEERS"),
                    help="vLLM peer measurement JSON ('' to skip; default $QMOE_VLLM_PEERS or the shared/bench copy)")
@@ -396,7 +403,7 @@ def _bench_qmoe(torch, ctx, rows, routes, args, timer, mode=DEFAULT_MODE):
             for w in pool.take(n_sets):
                 act = common.make_mode_activations(torch, mode, row["T"], hidden, gen, device, args.dynamic_scales)
                 kwargs.append(dict(w, **act, topk_ids=ids, topk_weights=wts, quant_mode=mode, num_experts=experts,
-                                   gate_up_layout=layout))
+                                   gate_up_layout=layout, **_pdl_kwargs(args)))
             outs = {f: [torch.empty((row["T"], hidden), device=device, dtype=torch.bfloat16) for _ in kwargs]
                     for f in args.finalize}
             # one checked call of each finalize on set 0 before timing

@@ -21,6 +21,7 @@ struct RowRouting {
                                      // or the raw id when every expert is local)
   const int32_t* expert_offsets;     // [E_l + 1]; [E_l] = valid rows
   const int32_t* input_permutation;  // [S] row -> flat slot
+  const int32_t* output_permutation; // [S] flat slot -> row, -1 for a slot the routing dropped
   int num_local;                     // E_l
   int topk;
   int64_t max_rows;                  // S

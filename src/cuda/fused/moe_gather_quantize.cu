@@ -12,8 +12,8 @@
 // Division and conversion are the reference's (an IEEE fp32 division, __fdiv_rn; the e4m3 code of
 // fused_moe_common.cuh's e4m3x2, bit-equal to qmoe::float_to_e4m3), so A1 is bit-identical to the
 // CPU reference's operand.
-// Mapping (decode has T*k = 8 rows): rows x column-chunks, 8 columns per thread, 1024 per CTA
-// (fused_moe_common.cuh); 16-byte loads when H % 8 == 0 and x is 16-byte aligned, else one column
+// Mapping: tokens x column-chunks, 8 columns per thread, 1024 per CTA (fused_moe_common.cuh), each
+// token's chunk stored to its k rows; 16-byte loads when H % 8 == 0 and x is 16-byte aligned, else one column
 // at a time (x's alignment is not part of the w4a8_int4 contract).
 // Rows r >= expert_offsets[E_l] (read on the device) are neither read nor written.
 #include <cuda_bf16.h>
@@ -70,54 +70,73 @@ struct GatherArgs {
   float* s1;
 };
 
-// Columns per thread, and per CTA: H = 7168 is 7 CTAs per row, each thread one 16-byte bf16 load.
+// Columns per thread, and per CTA: H = 7168 is 7 CTAs per token, each thread one 16-byte bf16 load.
 constexpr int kVec = 8;
 constexpr int kGatherThreads = 128;
 
-// blockIdx.y = row (grid-stride), blockIdx.x * kGatherThreads + threadIdx.x = chunk of kVec columns.
+// blockIdx.y = token (grid-stride), blockIdx.x * kGatherThreads + threadIdx.x = chunk of kVec columns.
+// Token-major: a token's columns are quantized once and stored to each of its k rows (found through
+// output_permutation), so the IEEE divisions number T*H rather than T*k*H. Row-major, they bounded
+// the kernel at prefill (Qwen3-30B T = 4096: 84 us, about 5x its memory time; H200, session 8).
 // kVectorized (H % 8 == 0, x 16-byte aligned, a_out 8-byte aligned): one 16-byte (bf16) or 8-byte
-// (e4m3) load and one 8-byte store per thread; else the same columns one at a time.
+// (e4m3) load and k 8-byte stores per thread; else the same columns one at a time.
 template <bool kVectorized>
 __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const GatherArgs p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   const RowRouting& rt = p.routing;
   const int64_t valid_rows = rt.expert_offsets[rt.num_local];
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
+  const int k = rt.topk;
+  const int64_t tokens = rt.max_rows / k;
   const int64_t H = p.hidden;
   const int64_t h0 = (static_cast<int64_t>(blockIdx.x) * kGatherThreads + threadIdx.x) * kVec;
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const int32_t slot = rt.input_permutation[r];
-    if (slot < 0) continue;  // cannot happen for r < valid rows; guards a corrupted routing
-    const int64_t t = slot / rt.topk;
+  // A row index is one of this launch's iff 0 <= r < rows (-1: dropped slot; the bound guards a
+  // corrupted routing, as rows past the valid ones are neither read nor written).
+  auto row_of = [&](int64_t slot) -> int64_t {
+    const int64_t r = rt.output_permutation[slot];
+    return r >= 0 && r < rows ? r : -1;
+  };
+  for (int64_t t = blockIdx.y; t < tokens; t += gridDim.y) {
+    bool any = false;
+    for (int j = 0; j < k; ++j) any |= row_of(t * k + j) >= 0;
+    if (!any) continue;  // no local expert (expert parallelism): nothing to read
     const float a1 = p.x_scale != nullptr ? p.x_scale[p.x_scale_per_token ? t : 0] : dynamic_fp8_scale(*p.amax_bits);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      const int32_t e = rt.local_ids[slot];
-      p.s1[r] = a1 * (p.w1_alpha != nullptr ? p.w1_alpha[e] : 1.0f);
+    if (blockIdx.x == 0) {
+      for (int j = threadIdx.x; j < k; j += kGatherThreads) {
+        const int64_t r = row_of(t * k + j);
+        if (r >= 0) p.s1[r] = a1 * (p.w1_alpha != nullptr ? p.w1_alpha[rt.local_ids[t * k + j]] : 1.0f);
+      }
     }
     if (h0 >= H) continue;
-    uint8_t* dst = p.a_out + r * H + h0;
-    if (p.x_is_e4m3) {
-      const uint8_t* src = static_cast<const uint8_t*>(p.x) + t * H + h0;
-      if constexpr (kVectorized) {
-        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
+    if constexpr (kVectorized) {
+      uint2 codes;  // the kVec e4m3 codes of columns h0.. (byte j = column h0 + j)
+      if (p.x_is_e4m3) {
+        codes = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(p.x) + t * H + h0);
       } else {
-        for (int j = 0; j < kVec && h0 + j < H; ++j) dst[j] = src[j];
-      }
-    } else {
-      const uint16_t* src = static_cast<const uint16_t*>(p.x) + t * H + h0;
-      // x / a1 is the IEEE division of the reference (never a reciprocal product).
-      if constexpr (kVectorized) {
-        const uint4 in = *reinterpret_cast<const uint4*>(src);
+        const uint4 in = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + t * H + h0);
         const uint32_t w[4] = {in.x, in.y, in.z, in.w};
         float q[kVec];
 #pragma unroll
-        for (int j = 0; j < kVec / 2; ++j) {
+        for (int j = 0; j < kVec / 2; ++j) {  // x / a1 is the reference's IEEE division (no reciprocal)
           q[2 * j] = __fdiv_rn(__uint_as_float(w[j] << 16), a1);
           q[2 * j + 1] = __fdiv_rn(__uint_as_float(w[j] & 0xffff0000u), a1);
         }
-        *reinterpret_cast<uint2*>(dst) = make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
-      } else {
-        for (int j = 0; j < kVec && h0 + j < H; ++j) dst[j] = e4m3_of(__fdiv_rn(bf16_to_float(src[j]), a1));
+        codes = make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
+      }
+      for (int j = 0; j < k; ++j) {
+        const int64_t r = row_of(t * k + j);
+        if (r >= 0) *reinterpret_cast<uint2*>(p.a_out + r * H + h0) = codes;
+      }
+    } else {
+      uint8_t codes[kVec] = {};
+      for (int c = 0; c < kVec && h0 + c < H; ++c) {
+        codes[c] = p.x_is_e4m3 ? static_cast<const uint8_t*>(p.x)[t * H + h0 + c]
+                               : e4m3_of(__fdiv_rn(bf16_to_float(static_cast<const uint16_t*>(p.x)[t * H + h0 + c]), a1));
+      }
+      for (int j = 0; j < k; ++j) {
+        const int64_t r = row_of(t * k + j);
+        if (r < 0) continue;
+        for (int c = 0; c < kVec && h0 + c < H; ++c) p.a_out[r * H + h0 + c] = codes[c];
       }
     }
   }
@@ -148,7 +167,8 @@ void gather_quantize(const RowRouting& routing, const void* x, bool x_is_e4m3, i
   GatherArgs p{routing, x, x_is_e4m3, hidden, x_scale, x_scale_per_token, amax_bits, w1_alpha, a_out, s1};
   // x needs no alignment in this mode (fused_moe checks it for the bf16 pipeline only): test it.
   const bool vectorized = hidden % kVec == 0 && aligned_to(x, 16) && aligned_to(a_out, 8);
-  const dim3 grid = rows_by_chunks(routing.max_rows, hidden, int64_t{kGatherThreads} * kVec);
+  if (routing.topk <= 0) return;
+  const dim3 grid = rows_by_chunks(routing.max_rows / routing.topk, hidden, int64_t{kGatherThreads} * kVec);
   if (vectorized) {
     launch_kernel(gather_quantize_kernel<true>, grid, kGatherThreads, 0, stream, p);
   } else {

@@ -152,7 +152,7 @@ template <W4Format F, class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int 
           int WARPS_K = 1>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     sm90_grouped_gemm_bf16_w4_kernel(const Bf16W4Params p) {
-  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
+  pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   using Cfg = Config<F, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K>;
   constexpr int kTileM = Cfg::kTileM;
   constexpr int kTileN = Cfg::kTileN;

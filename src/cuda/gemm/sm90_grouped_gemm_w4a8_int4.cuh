@@ -264,7 +264,7 @@ __device__ __forceinline__ void act_requant_epilogue(const W4A8ActGemmParams& p,
 template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     sm90_grouped_gemm_w4a8_int4_kernel(const W4A8ParamsOf<OutT> p) {
-  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
+  pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;  // the fused activation epilogue
   static_assert(std::is_same<OutT, __nv_bfloat16>::value || std::is_same<OutT, float>::value || kAct,
                 "the epilogue stores bf16 (the public op), fp32 or e4m3 A2 (the fused MoE's GEMM1)");

@@ -97,7 +97,7 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
 // OutT ActE4m3: the fused activation epilogue (A2 and s2 instead of d; act_requant_items.cuh).
 template <class OutT, int TILE_N, bool BIASED = false>
 __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const ParamsOf<OutT> p) {
-  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
+  pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
   using S = Shape<TILE_N, kAct>;
   constexpr int kTileN = TILE_N;
@@ -275,7 +275,7 @@ struct Shape {
 // at T = 4096 (the tensor cores waited); this version was written after that run, not yet on a GPU.
 template <class OutT, int TILE_N, bool BIASED = false>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT> p) {
-  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
+  pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
   using S = Shape<TILE_N, kAct>;
   constexpr int kStages = S::kStages;

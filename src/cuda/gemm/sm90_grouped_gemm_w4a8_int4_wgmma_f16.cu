@@ -115,7 +115,7 @@ __device__ __forceinline__ void stage_operand(const OperandItem& it, const uint8
 
 template <class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const WgmmaGemmParams p) {
-  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
+  pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   using S = Shape<TILE_N>;
   constexpr int kStages = S::kStages;
   extern __shared__ uint8_t smem_raw[];
