@@ -15,8 +15,9 @@
 #
 # Usage (device machine):  bash scripts/gpu_sanitize.sh        (QMOE_SKIP_BUILD=1: reuse build/device)
 # Logs: build/sanitize: sanitize_{memcheck,racecheck,synccheck,initcheck,gemm_check}.log (and the shards'
-# logs, id lists and .done lists). With $OUT set (the device tool's output folder, which returns at most
-# 8 files) they are packed into $OUT/sanitize_logs.tgz at the end, and each *_left.ids is copied there.
+# logs, their pytest output pytest_<tool>_shard<i>.log, id lists and .done lists). With $OUT set (the
+# device tool's output folder, which returns at most 8 files) they are packed into
+# $OUT/sanitize_logs.tgz at the end, and each *_left.ids is copied there.
 # Switches: QMOE_SANITIZE_TOOLS="memcheck racecheck synccheck initcheck gemm_check" (a subset to run);
 #   QMOE_SANITIZE_FULL=1 selects every GPU test for each tool (slow: one tool per device call);
 #   QMOE_SANITIZE_K_<TOOL>=<pytest -k expression> replaces a selection; QMOE_SANITIZE_LIMIT_<TOOL>=<s>
@@ -229,7 +230,7 @@ run_shards() {
   extra="$COMMON $([[ $tool == initcheck ]] && echo "$UNUSED" || echo "$FILTER")"
   errors=0 mine=0 other=0 warnings=0
   clog="$LOGDIR/sanitize_${tool}_collect.log"
-  rm -f "$LOGDIR/sanitize_${tool}_shard"*.ids "$LOGDIR/sanitize_${tool}_shard"*.log "$LOGDIR/sanitize_${tool}_shard"*.done
+  rm -f "$LOGDIR/sanitize_${tool}_shard"*.ids "$LOGDIR/sanitize_${tool}_shard"*.log "$LOGDIR/sanitize_${tool}_shard"*.done "$LOGDIR/pytest_${tool}_shard"*.log
   ids="$WRAP/ids_$tool"
   if [[ -n "${QMOE_SANITIZE_IDS:-}" ]]; then
     # A list of node ids (e.g. a previous call's sanitize_<tool>_left.ids) in place of a selection.
@@ -256,7 +257,7 @@ run_shards() {
   for (( i = 1; i <= nshards; i++ )); do
     (( NGPU > 1 )) && export CUDA_VISIBLE_DEVICES=$(( (i - 1) % NGPU ))
     QMOE_SANITIZER=$tool QMOE_SKIP_BUILD=1 QMOE_SKIP_CPP=1 PATH="$WRAP:$PATH" QMOE_SANITIZER_EXTRA_ARGS="$extra" \
-      QMOE_PYTEST_LOG="$WRAP/pytest_${tool}_shard$i.log" QMOE_SHARD_IDS="$LOGDIR/sanitize_${tool}_shard$i.ids" \
+      QMOE_PYTEST_LOG="$LOGDIR/pytest_${tool}_shard$i.log" QMOE_SHARD_IDS="$LOGDIR/sanitize_${tool}_shard$i.ids" \
       QMOE_SHARD_DONE="$LOGDIR/sanitize_${tool}_shard$i.done" \
       PYTHONPATH="$WRAP/py${PYTHONPATH:+:$PYTHONPATH}" \
       run_limited "$left" "$LOGDIR/sanitize_${tool}_shard$i.log" bash scripts/gpu_tests.sh -p qmoe_shard_select -k "$sel" &

@@ -37,18 +37,6 @@ Tactic make(Family family, int tile_m, int tile_n, int tile_k) {
   return t;
 }
 
-// QMOE_EXPERIMENTAL_TACTICS (read once): 1 lists the experimental tactics among the compiled ones; 2
-// also lets the heuristic pick them (a layer-level A/B before they have been measured); else 0.
-int experimental_level() {
-  static const int level = [] {
-    const char* v = std::getenv("QMOE_EXPERIMENTAL_TACTICS");
-    if (v == nullptr) return 0;
-    const std::string s(v);
-    return s == "1" ? 1 : s == "2" ? 2 : 0;
-  }();
-  return level;
-}
-
 // NOTE: this list must match the instantiations in sm90_grouped_gemm_w4a8_int4.cu one for one.
 const std::vector<Tactic>& compiled() {
   static const std::vector<Tactic> list = {
@@ -62,16 +50,7 @@ const std::vector<Tactic>& compiled() {
       // WGMMA with 64-token tiles (two CTAs per SM): chosen for 17-48 rows per expert.
       make(Family::kPrefill, 128, 64, 128),
   };
-  // Experimental: the fp16 WGMMA decode tiles (128 weight rows x 16 or 32 tokens,
-  // sm90_grouped_gemm_w4a8_int4_wgmma_f16.cu), written without a GPU. Listed (so that forcing, tuning
-  // and the tests that walk the compiled tactics reach them) only with QMOE_EXPERIMENTAL_TACTICS set.
-  static const std::vector<Tactic> with_experimental = [] {
-    std::vector<Tactic> l = list;
-    l.push_back(make(Family::kDecode, 128, 16, 128));
-    l.push_back(make(Family::kDecode, 128, 32, 128));
-    return l;
-  }();
-  return experimental_level() > 0 ? with_experimental : list;
+  return list;
 }
 
 // The bf16 x 4-bit kernel (sm90_grouped_gemm_bf16_w4.cu), mma.sync bf16: the same tile names.
@@ -150,10 +129,6 @@ Tactic select_tactic(const GemmProblem& problem) {
     const int64_t hit = rows < experts ? rows : experts;
     const bool small_grid = rows > 0 && hit * ((problem.n + 127) / 128) < kHopperSms;
     t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);
-  } else if (experimental_level() == 2 && rows_per_expert <= 24) {
-    // The fp16 WGMMA decode tiles where n16 is weakest (a guess to be measured: 16 tokens up to 8 rows
-    // per expert, where ragged routing rarely passes 16; 32 tokens above).
-    t = rows_per_expert <= 8 ? make(Family::kDecode, 128, 16, 128) : make(Family::kDecode, 128, 32, 128);
   } else if (rows_per_expert <= kDecodeN16MaxRows) {
     t = make(Family::kDecode, 128, 16, 256);
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {

@@ -561,39 +561,3 @@ def test_cuda_event_timer_protocol(monkeypatch):
     assert got == 3.0
     timed = ["flush", ("record", "s"), "run", ("record", "s"), "sync"]
     assert log == ["run", "run"] + timed * 5
-
-
-# QMOE_EXPERIMENTAL_TACTICS is read once per process: each setting in a child process.
-def _tactics_under(level: str | None) -> tuple[list[str], list[str]]:
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "QMOE_EXPERIMENTAL_TACTICS"}
-    if level is not None:
-        env["QMOE_EXPERIMENTAL_TACTICS"] = level
-    code = (
-        "import qmoe\n"
-        "print(','.join(qmoe.valid_tactics(28672, 4096, 128, 8, 2)))\n"
-        # Mixtral GEMM1 (E 8, top-2) at 2, 8, 16 and 64 rows per expert
-        "print(','.join(qmoe.select_tactic(28672, 4096, r * 8, 8, 2) for r in (2, 8, 16, 64)))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    valid, picks = out.strip().splitlines()
-    return valid.split(","), picks.split(",")
-
-
-EXPERIMENTAL = ["decode_m128_n16_k128", "decode_m128_n32_k128"]
-
-
-def test_experimental_tactics_are_listed_and_picked_only_when_asked():
-    valid, picks = _tactics_under(None)
-    assert not set(EXPERIMENTAL) & set(valid)
-    assert picks == ["decode_m128_n8_k256", "decode_m128_n16_k256", "decode_m128_n16_k256", "prefill_m128_n128_k128"]
-    for level in ("1", "2"):
-        valid_l, picks_l = _tactics_under(level)
-        assert valid_l == valid + EXPERIMENTAL
-        assert picks_l == (picks if level == "1" else
-                           ["decode_m128_n8_k256", "decode_m128_n16_k128", "decode_m128_n32_k128", "prefill_m128_n128_k128"])
-    valid_x, picks_x = _tactics_under("yes")  # anything else: off
-    assert (valid_x, picks_x) == (valid, picks)

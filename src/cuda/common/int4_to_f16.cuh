@@ -54,27 +54,7 @@ QMOE_INT4_F16_HD void int4x8_to_biased_f16(uint32_t x, uint32_t& u04, uint32_t& 
   u37 = and_xor(y, 0x00F000F0u, 0x00800080u);
 }
 
-// Signed fp16 operands with no bias term (the fp16 WGMMA decode tile): the same masks with 0x6400 set
-// give 0x6400 | (q + 8), the fp16 1024 + q + 8 (odd elements: 1024 + 16 (q + 8)); one f16x2 subtract of
-// kF16Magic (1032) or kF16MagicX16 (1152) then leaves q (16 q) exactly, in normal numbers throughout.
-// Outputs as int4x8_to_biased_f16's, before the subtract.
-constexpr uint32_t kF16Magic = 0x64086408u;     // two fp16 1032
-constexpr uint32_t kF16MagicX16 = 0x64806480u;  // two fp16 1152
-QMOE_INT4_F16_HD void int4x8_to_magic_f16(uint32_t x, uint32_t& m04, uint32_t& m26, uint32_t& m15, uint32_t& m37) {
-  const uint32_t y = x >> 8;
-  m04 = and_xor(x, 0x000F000Fu, kF16Magic);
-  m15 = and_xor(x, 0x00F000F0u, kF16MagicX16);
-  m26 = and_xor(y, 0x000F000Fu, kF16Magic);
-  m37 = and_xor(y, 0x00F000F0u, kF16MagicX16);
-}
-
 #if defined(__CUDACC__)
-
-__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
 
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t bytes16) {
   uint32_t d;

@@ -56,8 +56,7 @@ RowScatterAdd fused_finalize_scatter(const FusedMoeParams& p, const int32_t* inp
   // the WGMMA tiles' epilogue adds single 16-bit values and the layer ran 2.2x slower at DeepSeek-V3
   // T = 4096 than with y + the finalize kernel; the bf16 x 4-bit prefill tile 4-8% slower. Those take
   // the finalize kernel's "fused" mode instead (same rounding steps, order fixed).
-  // (The experimental fp16 WGMMA decode tiles, tile_k 128, have no scatter epilogue.)
-  if (gemm2_tactic.family != Tactic::Family::kDecode || gemm2_tactic.tile_k == 128) return sc;
+  if (gemm2_tactic.family != Tactic::Family::kDecode) return sc;
   // Paired bf16 / f16 atomics are 32-bit: a 2-byte-aligned view (an odd storage offset) keeps the
   // finalize kernel, which needs no alignment (same arithmetic, in slot order).
   if (reinterpret_cast<uintptr_t>(p.output.data) % 4 != 0) return sc;

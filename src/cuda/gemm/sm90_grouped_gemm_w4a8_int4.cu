@@ -113,11 +113,6 @@ bool is_wgmma(const Tactic& tactic) {
          is_tactic(tactic, Tactic::Family::kPrefill, 128, 64, 128);
 }
 
-// The fp16 WGMMA decode tiles (experimental: listed with QMOE_EXPERIMENTAL_TACTICS=1; src/tune/tactics.cpp).
-bool is_wgmma_f16(const Tactic& tactic) {
-  return is_tactic(tactic, Tactic::Family::kDecode, 128, 16, 128) || is_tactic(tactic, Tactic::Family::kDecode, 128, 32, 128);
-}
-
 WgmmaGemmParams wgmma_params(const W4A8GemmParams& params) {
   WgmmaGemmParams w;
   w.a = params.a;
@@ -193,9 +188,6 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     // The pipeline scatters only with decode tiles (moe_pipeline_steps.cu fused_finalize_scatter).
     QMOE_CHECK_ARG(scatter.out == nullptr, "scatter", "no scatter with a WGMMA tactic", tactic.name());
     launch_w4a8_wgmma_prefill(wgmma_params(params), tactic.tile_n, fp32_out, stream);
-  } else if (is_wgmma_f16(tactic)) {
-    QMOE_CHECK_ARG(scatter.out == nullptr, "scatter", "no scatter with an fp16 WGMMA tactic", tactic.name());
-    launch_w4a8_wgmma_f16_decode(wgmma_params(params), tactic.tile_n, fp32_out, stream);
   } else {
     throw Error("tactic", "a tactic compiled into this build (see valid_tactics)", tactic.name());
   }

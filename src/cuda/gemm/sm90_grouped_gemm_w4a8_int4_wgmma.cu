@@ -17,8 +17,7 @@
 //                  and compute in step, two CTAs per SM.
 // A persistent grid walks the (expert, feature tile, token tile)
 // list built in shared memory from the device-side problem sizes, so empty experts cost nothing.
-// The stage loader, descriptors, barriers and epilogue stores: wgmma_building_blocks.cuh (shared with
-// the fp16 decode tile, sm90_grouped_gemm_w4a8_int4_wgmma_f16.cu).
+// The stage loader, descriptors, barriers and epilogue stores: wgmma_building_blocks.cuh.
 // Limits (checked by the caller): K % 128 == 0, N % 8 == 0, E <= 1024, 16-byte aligned pointers.
 #include <cuda_bf16.h>
 

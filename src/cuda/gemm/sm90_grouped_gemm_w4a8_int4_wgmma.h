@@ -26,8 +26,6 @@ struct WgmmaGemmParams {
 };
 
 void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int tile_n, bool fp32_out, cudaStream_t stream);
-// The fp16 WGMMA decode tile (sm90_grouped_gemm_w4a8_int4_wgmma_f16.cu, experimental): 128 weight rows x tile_n (16 or 32) tokens.
-void launch_w4a8_wgmma_f16_decode(const WgmmaGemmParams& params, int tile_n, bool fp32_out, cudaStream_t stream);
 
 // GEMM1 of the fused w4a8_int4 pipeline with the activation and the requantization as the epilogue
 // (w4a8_act_requant.h, act_requant_items.cuh): A2 and s2 instead of d. A separate struct, as for the

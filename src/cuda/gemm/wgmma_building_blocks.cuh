@@ -1,5 +1,4 @@
-// Building blocks of the W4A8 WGMMA kernels (sm90_grouped_gemm_w4a8_int4_wgmma.cu: the e4m3 tiles;
-// sm90_grouped_gemm_w4a8_int4_wgmma_f16.cu: the fp16 decode tile). A pipeline stage is one K group
+// Building blocks of the W4A8 WGMMA kernels (sm90_grouped_gemm_w4a8_int4_wgmma.cu). A pipeline stage is one K group
 // (128) of one tile: TILE_N activation rows (e4m3, 128-byte swizzle), 128 weight rows (int4, 64 bytes
 // each), their bf16 scales; load_stage fills it with cp.async. Also: shared-memory addressing, the
 // wgmma descriptor and fences, the mbarriers of the warp-specialized kernels, and the two epilogue
