@@ -7,9 +7,10 @@
 // start its own launch. The GEMMs start with pdl_wait() only: their dependents launch as their CTAs
 // exit. Released early, the next kernel's CTAs sat beside the GEMM's main loop and Qwen3-30B T = 64
 // ran 11% slower than without PDL; with the late release, on vs off (H200, session 8, two runs
-// each): T = 1 2-8% faster on four models, T = 8 / 64 within -5%..+3%. Because every kernel waits
-// before its first global access, each one runs after all earlier ones have completed: the
-// pipeline's read-after-write and write-after-read orders (e.g. GEMM2's output reusing GEMM1's input bytes) hold exactly as without PDL.
+// each): T = 1 2-8% faster on four models, T = 8 / 64 from -3.5% to +5% (bench/results/
+// 2026-11-30_s8a_nvidia_h200_pdl_ab.md). Because every kernel waits before its first global access,
+// each one runs after all earlier ones have completed: the pipeline's read-after-write and
+// write-after-read orders (e.g. GEMM2's output reusing GEMM1's input bytes) hold exactly as without PDL.
 // Host side: launch_kernel() is `kernel<<<grid, block, smem, stream>>>(args...)`, with the
 // programmatic-stream-serialization attribute when the calling thread is inside a PdlScope(true).
 // Errors are left for the caller's check_cuda(cudaGetLastError(), ...), as after <<<...>>>.
