@@ -65,6 +65,15 @@ TEST(FusedMoeActivation, NanPropagates) {
 // scale 1/128:  xq = e4m3(1 * 64) = 64;  g = (1/64) * 128 * 64 * 1/128 = 1;  u = 2;
 // v = silu(1) * 2 = 1.46211716;  e4m3(v * 64 = 93.58) = 96 (grid step 8 in [64, 128));
 // y = (1/64) * 128 * 96 * 1/128 = 1.5;  out = rsf * (0.5 + 0.25) * 1.5 = 2.25 with rsf = 2.
+// Defaults a caller gets without setting them: FlashInfer's (fused finalize, PDL on).
+TEST(FusedMoe, ParamsDefaultsFollowFlashInfer) {
+  const qmoe::FusedMoeParams p;
+  EXPECT_FALSE(p.deterministic);
+  EXPECT_TRUE(p.enable_pdl);
+  EXPECT_EQ(p.routed_scaling_factor, 1.0f);
+  EXPECT_EQ(p.aux_stream, nullptr);
+}
+
 TEST(FusedMoe, HandComputedW4A8Int4) {
   const int64_t H = 128, I = 128;
   std::vector<uint16_t> x(H, qmoe::float_to_bf16(1.0f));

@@ -34,6 +34,11 @@ def test_sgl_kernel_signatures_match_sglang():
     assert defaults["chunk_size"].default == 128 and defaults["topk"].default == 8
 
 
+def test_pdl_is_on_by_default_as_in_flashinfer():
+    for fn in (qmoe.fused_moe, flashinfer.cute_dsl_fused_moe, flashinfer.CuteDslMoEWrapper.__init__):
+        assert inspect.signature(fn).parameters["enable_pdl"].default is True, fn
+
+
 def test_flashinfer_signatures_match_seed():
     assert _params(flashinfer.cute_dsl_fused_moe) == FI_FUSED
     sig = inspect.signature(flashinfer.cute_dsl_fused_moe).parameters

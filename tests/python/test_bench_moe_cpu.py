@@ -48,9 +48,16 @@ def test_quant_modes_parsed_in_run_order():
     assert set(moe.MODES) == set(ops.QUANT_MODES)  # every mode qmoe.fused_moe takes
 
 
+def test_pdl_choice_reaches_fused_moe_only_when_given():
+    """--pdl default leaves enable_pdl to the library (on); on / off pass it to every qmoe call."""
+    assert moe._parse_args([]).pdl == "default" and moe._pdl_kwargs(moe._parse_args([])) == {}
+    assert moe._pdl_kwargs(moe._parse_args(["--pdl", "on"])) == {"enable_pdl": True}
+    assert moe._pdl_kwargs(moe._parse_args(["--pdl", "off"])) == {"enable_pdl": False}
+
+
 @pytest.mark.parametrize("argv", [["--models", "llama"], ["--tokens", "1,x"], ["--tokens", "0"],
                                   ["--finalize", "atomic"], ["--iters", "0"], ["--quant-mode", "w4a2"],
-                                  ["--quant-mode", "w4a4,all"], ["--quant-mode", ","]])
+                                  ["--quant-mode", "w4a4,all"], ["--quant-mode", ","], ["--pdl", "yes"]])
 def test_bad_arguments_exit(argv, capsys):
     with pytest.raises(SystemExit) as e:
         moe._parse_args(argv)
