@@ -128,10 +128,11 @@ __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const G
         if (r >= 0) *reinterpret_cast<uint2*>(p.a_out + r * H + h0) = codes;
       }
     } else {
+      const int64_t base = t * H + h0;
       uint8_t codes[kVec] = {};
       for (int c = 0; c < kVec && h0 + c < H; ++c) {
-        codes[c] = p.x_is_e4m3 ? static_cast<const uint8_t*>(p.x)[t * H + h0 + c]
-                               : e4m3_of(__fdiv_rn(bf16_to_float(static_cast<const uint16_t*>(p.x)[t * H + h0 + c]), a1));
+        codes[c] = p.x_is_e4m3 ? static_cast<const uint8_t*>(p.x)[base + c]
+                               : e4m3_of(__fdiv_rn(bf16_to_float(static_cast<const uint16_t*>(p.x)[base + c]), a1));
       }
       for (int j = 0; j < k; ++j) {
         const int64_t r = row_of(t * k + j);

@@ -34,7 +34,8 @@ RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& b,
   moe_mm_data(tensor(ids, {slots}), tensor(b.offsets, {local + 1}), tensor(b.sizes1, {local, 3}),
               tensor(b.sizes2, {local, 3}), tensor(b.input_permutation, {slots}),
               tensor(b.output_permutation, {slots}), local, inter, hidden, stream);
-  return RowRouting{ids, b.offsets, b.input_permutation, b.output_permutation, static_cast<int>(local), static_cast<int>(topk), slots};
+  return RowRouting{ids, b.offsets, b.input_permutation, b.output_permutation, static_cast<int>(local),
+                    static_cast<int>(topk), slots};
 }
 
 void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* output_permutation, int64_t hidden,
