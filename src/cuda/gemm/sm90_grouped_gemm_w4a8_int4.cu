@@ -131,7 +131,8 @@ WgmmaGemmParams wgmma_params(const W4A8GemmParams& params) {
 }
 
 // QMOE_WGMMA_FUSED_EPILOGUE=1: GEMM1's fused activation epilogue also on the WGMMA tiles (read per call).
-// Opt-in until it has run on a GPU (written after session 6's last GPU run; tests/python/test_gpu_fused_epilogue.py).
+// Opt-in: correct on the H200 but 10-18% slower per layer at T = 4096 (session 8,
+// bench/results/2026-11-30_s8a_nvidia_h200_wgmma_fused_epilogue.md; tests/python/test_gpu_fused_epilogue.py).
 bool wgmma_fused_epilogue_enabled() {
   const char* v = std::getenv("QMOE_WGMMA_FUSED_EPILOGUE");
   return v != nullptr && v[0] == '1' && v[1] == '\0';
