@@ -25,7 +25,9 @@
 #   QMOE_SANITIZE_JOBS=N (default 1) splits each tool's pytest run into N concurrent shards;
 #   QMOE_SANITIZE_IDS=<file> (with JOBS > 1) runs exactly the node ids listed there, one a line, in
 #   place of a selection: e.g. the sanitize_<tool>_left.ids a timed-out call wrote (a tool's run can
-#   so be finished over several device calls).
+#   so be finished over several device calls). Ids are dealt round-robin in the list's order and each
+#   shard runs its ids in that order: put quick tests first so a slow one cannot starve them.
+#   Each finished test's wall time under the tool: sanitize_<tool>_times.txt (slowest first).
 #
 # Shards (QMOE_SANITIZE_JOBS > 1): a sanitizer process is CPU-bound on one core while the GPU has
 # room for several, so the full suite needs N processes to fit a device call. The selected node ids
@@ -113,12 +115,20 @@ def pytest_collectreport(report):
     _collection_skips += report.skipped
 
 
+_seconds = {}
+
+
 def pytest_runtest_logreport(report):
     # One line per finished test (its teardown), written at once: what a shard killed at its time
     # limit or ended by a crash did finish, so the script can list the ids left for another call.
+    # Beside it (.times) the test's wall time under the tool, to plan the shards of later calls.
+    _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
     if report.when == "teardown" and os.environ.get("QMOE_SHARD_DONE"):
-        with open(os.environ["QMOE_SHARD_DONE"], "a", encoding="utf-8") as f:
+        done = os.environ["QMOE_SHARD_DONE"]
+        with open(done, "a", encoding="utf-8") as f:
             f.write(report.nodeid + "\n")
+        with open(done[: -len(".done")] + ".times", "a", encoding="utf-8") as f:
+            f.write(f"{_seconds[report.nodeid]:8.1f} s  {report.nodeid}\n")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -130,6 +140,11 @@ def pytest_collection_modifyitems(config, items):
     with open(os.environ["QMOE_SHARD_IDS"], encoding="utf-8") as f:
         wanted = {line.rstrip("\n") for line in f if line.strip()}
     keep = [it for it in items if it.nodeid in wanted]
+    order = {}
+    with open(os.environ["QMOE_SHARD_IDS"], encoding="utf-8") as f:
+        for line in f:
+            order.setdefault(line.rstrip("\n"), len(order))
+    keep.sort(key=lambda it: order[it.nodeid])  # the list's order: callers put quick tests first
     drop = [it for it in items if it.nodeid not in wanted]
     missing = wanted - {it.nodeid for it in keep}
     if missing:
@@ -230,7 +245,8 @@ run_shards() {
   extra="$COMMON $([[ $tool == initcheck ]] && echo "$UNUSED" || echo "$FILTER")"
   errors=0 mine=0 other=0 warnings=0
   clog="$LOGDIR/sanitize_${tool}_collect.log"
-  rm -f "$LOGDIR/sanitize_${tool}_shard"*.ids "$LOGDIR/sanitize_${tool}_shard"*.log "$LOGDIR/sanitize_${tool}_shard"*.done "$LOGDIR/pytest_${tool}_shard"*.log
+  rm -f "$LOGDIR/sanitize_${tool}_shard"*.ids "$LOGDIR/sanitize_${tool}_shard"*.log "$LOGDIR/sanitize_${tool}_shard"*.done \
+    "$LOGDIR/sanitize_${tool}_shard"*.times "$LOGDIR/pytest_${tool}_shard"*.log
   ids="$WRAP/ids_$tool"
   if [[ -n "${QMOE_SANITIZE_IDS:-}" ]]; then
     # A list of node ids (e.g. a previous call's sanitize_<tool>_left.ids) in place of a selection.
@@ -283,6 +299,7 @@ run_shards() {
   # Ids no shard finished (timed out or never reached): input for QMOE_SANITIZE_IDS in another call.
   local finished
   cat "$LOGDIR/sanitize_${tool}_shard"*.done 2>/dev/null | sort -u > "$WRAP/done_$tool"
+  cat "$LOGDIR/sanitize_${tool}_shard"*.times 2>/dev/null | sort -rn > "$LOGDIR/sanitize_${tool}_times.txt"
   finished=$(wc -l < "$WRAP/done_$tool")
   grep -Fxv -f "$WRAP/done_$tool" "$ids" > "$LOGDIR/sanitize_${tool}_left.ids"
   ran="$n tests ($failed failed, $skipped skipped; $nshards shards; $finished of $collected ids finished)"

@@ -32,7 +32,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_common import require_hopper, to_np  # noqa: E402
+from gpu_common import fresh_tuner as new_tuner, require_hopper, to_np  # noqa: E402
 
 torch = require_hopper()
 
@@ -342,7 +342,7 @@ def run_threads(jobs, rounds, tuning):
 
 @pytest.fixture
 def fresh_tuner(monkeypatch):
-    monkeypatch.setattr(tune, "_default", tune.Tuner())
+    monkeypatch.setattr(tune, "_default", new_tuner(tune))
 
 
 def test_concurrent_threads_match_serial(fresh_tuner):

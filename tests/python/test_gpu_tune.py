@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_common import require_hopper, to_dev, to_np  # noqa: E402
+from gpu_common import fresh_tuner as new_tuner, require_hopper, to_dev, to_np  # noqa: E402
 
 torch = require_hopper()
 
@@ -29,7 +29,7 @@ HIDDEN, INTER, EXPERTS, TOPK = 2048, 768, 128, 8  # Qwen3-30B-A3B
 
 @pytest.fixture(autouse=True)
 def fresh_tuner(monkeypatch):
-    monkeypatch.setattr(tune, "_default", tune.Tuner())
+    monkeypatch.setattr(tune, "_default", new_tuner(tune))
 
 
 def _case(tokens, seed):

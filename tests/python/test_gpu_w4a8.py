@@ -20,6 +20,7 @@ distributions of qmoe.testing's generators: model-sized expert sets would take m
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -196,13 +197,13 @@ def test_routing_timing(capsys):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graph.replay()
         times = []
-        for _ in range(5):
+        for _ in range(1 if os.environ.get("QMOE_SANITIZER") else 5):  # instrumented replays are slow
             start.record()
             graph.replay()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) * 100)  # ms / 10 calls -> us
-        lines.append(f"moe_mm_data E={experts} slots={slots}: {sorted(times)[2]:.1f} us")
+        lines.append(f"moe_mm_data E={experts} slots={slots}: {sorted(times)[len(times) // 2]:.1f} us")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
 
