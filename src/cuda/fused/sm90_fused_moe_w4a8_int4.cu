@@ -59,6 +59,15 @@ bool fused_epilogue_allowed() {
   return v == nullptr || !(v[0] == '0' && v[1] == '\0');
 }
 
+// QMOE_PDL_GEMMS=0 (an A/B switch, read per call like QMOE_FUSED_EPILOGUE) launches the two GEMMs
+// without the PDL attribute while the glue kernels keep it when enable_pdl is on. Why: PDL made
+// T = 1 2-8% faster but T = 8 / 64 up to 5% slower (bench/results/2026-11-30_s8a_nvidia_h200_pdl_ab.md);
+// a GEMM launched as a dependent may take its SMs later than one launched in stream order.
+bool gemm_pdl_allowed() {
+  const char* v = std::getenv("QMOE_PDL_GEMMS");
+  return v == nullptr || !(v[0] == '0' && v[1] == '\0');
+}
+
 }  // namespace
 
 void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, const Tactic& gemm2_tactic,
@@ -117,6 +126,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     g.expert_offsets = device_tensor(rb.offsets, DType::kInt32, {dims.local}, device);
     g.problem_sizes = device_tensor(sizes, DType::kInt32, {dims.local, 3}, device);
     g.topk = dims.topk;
+    PdlScope gemm_pdl(p.enable_pdl && gemm_pdl_allowed());
     w4a8_moe_mm(g, tactic, stream, sc);
   };
 
@@ -144,6 +154,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     ep.w2_alpha = p.w2_alpha ? p.w2_alpha->ptr<const float>() : nullptr;
     ep.inter = static_cast<int>(dims.inter);
     ep.act = act;
+    PdlScope gemm_pdl(p.enable_pdl && gemm_pdl_allowed());
     w4a8_moe_mm_act_requant(g, gemm1_tactic, stream, ep);
   } else {
     // 5. GEMM1 into fp32 h.
