@@ -63,6 +63,11 @@ void launch_split(const W4A8ParamsOf<OutT>& params, int64_t rows, int device, cu
   constexpr auto kernel =
       sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K, MIN_BLOCKS, SPLIT>;
   constexpr int kSmem = Cfg::kSmemBytes + kSplitMaxGroups * Cfg::kTileM * Cfg::kTileN * 4;
+  // valid_tactics offers the tactic only where a slice fits the Q buffer; a caller bug otherwise.
+  const int slice_groups = split_slice_groups<SPLIT, GPS>(params.k / w4a8::kGroup);
+  QMOE_CHECK_ARG(slice_groups <= kSplitMaxGroups, "tactic",
+                 "a split-K tactic only for K <= " + std::to_string(SPLIT * kSplitMaxGroups * w4a8::kGroup),
+                 "K = " + std::to_string(params.k));
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cache_clusters[kMaxDevices] = {}, cache_sms[kMaxDevices] = {};
   QMOE_CHECK_ARG(device >= 0 && device < kMaxDevices, "device", "a CUDA device index below 64", std::to_string(device));

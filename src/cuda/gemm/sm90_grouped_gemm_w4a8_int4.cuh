@@ -303,6 +303,11 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   const int E = p.num_experts;
   const int n_tiles = (p.n + kTileM - 1) / kTileM;
   const int groups = p.k / kGroup;
+  // (Computed here, before the work list, as in the unsplit kernel: computed after it, the same value
+  // changed the register allocation of two unsplit kernels. if constexpr below for the same reason.)
+  const int stages_per_tile = [&] {
+    if constexpr (SPLIT > 1) return split_slice_groups<SPLIT, GPS>(groups) / GPS; else return (groups + GPS - 1) / GPS;
+  }();
 
   // ---- Work list (grouped_tile_list.cuh): exclusive prefix of tiles per expert in smem.
   __shared__ int32_t warp_total[kThreads / 32];
@@ -316,11 +321,6 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   } else {
     if (tiles.empty()) return;
   }
-  // (if constexpr everywhere: the unsplit kernels keep their exact code; a runtime zero held in a struct
-  // that the lambdas capture changed their register allocation.)
-  const int stages_per_tile = [&] {
-    if constexpr (SPLIT > 1) return slice.groups / GPS; else return (groups + GPS - 1) / GPS;
-  }();
   const int tile_count = [&] {
     if constexpr (SPLIT > 1) return slice.tile_count; else return tiles.count;
   }();

@@ -42,12 +42,18 @@ struct SplitSlice {
   int tile_count = 0;   // tiles of this cluster
 };
 
+// K groups per CTA of a split tile (a multiple of GPS).
+template <int SPLIT, int GPS>
+__host__ __device__ __forceinline__ int split_slice_groups(int groups) {
+  const int per_cta = (groups + SPLIT - 1) / SPLIT;
+  return (per_cta + GPS - 1) / GPS * GPS;
+}
+
 template <int SPLIT, int GPS>
 __device__ __forceinline__ SplitSlice split_slice(int groups, int total_tiles) {
   SplitSlice s;
   if constexpr (SPLIT > 1) {
-    const int per_cta = (groups + SPLIT - 1) / SPLIT;
-    s.groups = (per_cta + GPS - 1) / GPS * GPS;
+    s.groups = split_slice_groups<SPLIT, GPS>(groups);
     // 1-D grid of 1-D clusters: cluster = SPLIT consecutive CTAs, rank = blockIdx.x % SPLIT.
     s.g_begin = static_cast<int>(cooperative_groups::this_cluster().block_rank()) * s.groups;
     s.first_tile = static_cast<int>(blockIdx.x) / SPLIT;
