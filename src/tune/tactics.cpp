@@ -27,13 +27,13 @@ namespace {
 using Family = Tactic::Family;
 
 // tile_k: K per pipeline stage (decode: 4 groups, so each weight row is read in 256-byte runs).
-Tactic make(Family family, int tile_m, int tile_n, int tile_k) {
+Tactic make(Family family, int tile_m, int tile_n, int tile_k, int split_k = 1) {
   Tactic t;
   t.family = family;
   t.tile_m = tile_m;
   t.tile_n = tile_n;
   t.tile_k = tile_k;
-  t.split_k = 1;
+  t.split_k = split_k;
   return t;
 }
 
@@ -51,6 +51,21 @@ const std::vector<Tactic>& compiled() {
       make(Family::kPrefill, 128, 64, 128),
   };
   return list;
+}
+
+// Split-K tactics (src/cuda/gemm/split_k.cuh: clusters of CTAs share a tile's K groups, same bits as
+// the unsplit mma.sync tiles). Not yet timed on a GPU: valid only when QMOE_SPLIT_K_TACTICS=1 (read
+// per call), and never the heuristic's choice. Limit: ceil(ceil(K / 128 / 4) / 4) * 4 <= 16 groups
+// per CTA, i.e. K <= 8192.
+const std::vector<Tactic>& compiled_split_k() {
+  static const std::vector<Tactic> list = {make(Family::kDecode, 64, 8, 512, 4)};
+  return list;
+}
+constexpr int64_t kSplitKMaxK = 4 * 16 * 128;
+
+bool split_k_tactics_enabled() {
+  const char* v = std::getenv("QMOE_SPLIT_K_TACTICS");
+  return v != nullptr && v[0] == '1' && v[1] == '\0';
 }
 
 // The bf16 x 4-bit kernel (sm90_grouped_gemm_bf16_w4.cu), mma.sync bf16: the same tile names.
@@ -110,7 +125,11 @@ std::vector<Tactic> valid_tactics(const GemmProblem& problem) {
   const int64_t k_step = problem.bf16_activations ? 32 : 128;
   if (problem.k <= 0 || problem.k % k_step != 0 || problem.n <= 0 || problem.n % 8 != 0 || problem.num_experts <= 0)
     return {};
-  return problem.bf16_activations ? compiled_bf16() : compiled();
+  if (problem.bf16_activations) return compiled_bf16();
+  std::vector<Tactic> valid = compiled();
+  if (split_k_tactics_enabled() && problem.k <= kSplitKMaxK)
+    valid.insert(valid.end(), compiled_split_k().begin(), compiled_split_k().end());
+  return valid;
 }
 
 Tactic select_tactic(const GemmProblem& problem) {
@@ -150,7 +169,7 @@ Tactic select_tactic(const GemmProblem& problem) {
 }
 
 Tactic parse_tactic(const std::string& name) {
-  for (const auto* list : {&compiled(), &compiled_bf16()})
+  for (const auto* list : {&compiled(), &compiled_bf16(), &compiled_split_k()})
     for (const Tactic& t : *list)
       if (t.name() == name) return t;
   std::string known;

@@ -68,4 +68,25 @@ void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t 
   (void)cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);  // error: cudaGetLastError()
 }
 
+// The same as a grid of 1-D thread-block clusters of cluster_x CTAs (grid.x a multiple of cluster_x).
+template <class... KernelArgs, class... Args>
+void launch_kernel_clusters(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                            unsigned cluster_x, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[2];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cluster_x;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl_enabled() ? 2 : 1;
+  (void)cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);  // error: cudaGetLastError()
+}
+
 }  // namespace qmoe::cuda

@@ -61,6 +61,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cooperative_groups.h>
 #include <cuda_runtime_api.h>
 
 #include "cuda/common/int4_to_f16.cuh"
@@ -70,6 +71,7 @@
 #include "cuda/gemm/grouped_gemm_epilogue.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/gemm/k_warps.cuh"
+#include "cuda/gemm/split_k.cuh"
 #include "cuda/common/pdl.cuh"
 #include "qmoe/grouped_gemm.h"
 #include "qmoe/tactics.h"
@@ -261,7 +263,21 @@ __device__ __forceinline__ void act_requant_epilogue(const W4A8ActGemmParams& p,
   act_requant_items<kTileM, kThreads>(ep, t, park, tid);
 }
 
-template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS>
+// The weight row (hence the scale row) of tile row r: t.n0 + r, or in the fused gated epilogue the gate /
+// up row of the tile's features (the top comment). Split-K's promotion reads the scales with it.
+template <bool kAct, int kTileM, class Params>
+__device__ __forceinline__ int b_scale_row(const Params& p, const GroupedTile& t, int r) {
+  if constexpr (kAct) {
+    const ActTileRows rows_of = act_tile_rows<kTileM>(p.act_out, t.n0);
+    return rows_of.lo + r + (r >= kTileM / 2 ? rows_of.jump : 0);
+  } else {
+    return t.n0 + r;
+  }
+}
+
+// SPLIT > 1: split-K over a cluster of SPLIT CTAs, same bits (split_k.cuh).
+template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS,
+          int SPLIT = 1>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     sm90_grouped_gemm_w4a8_int4_kernel(const W4A8ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
@@ -278,6 +294,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   extern __shared__ __align__(128) uint8_t smem[];
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem);  // [E + 1] exclusive prefix of tiles
   uint8_t* stages = smem + Cfg::kTileStartBytes;
+  // Split-K only: [kSplitMaxGroups][TILE_N][TILE_M] fp32 group sums, after the K warps' park.
+  float* split_q = reinterpret_cast<float*>(stages + STAGES * Cfg::kStageBytes + Cfg::kSplitBytes);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -285,14 +303,38 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   const int E = p.num_experts;
   const int n_tiles = (p.n + kTileM - 1) / kTileM;
   const int groups = p.k / kGroup;
-  const int stages_per_tile = (groups + GPS - 1) / GPS;
+  // (Computed here, before the work list, as in the unsplit kernel: computed after it, the same value
+  // changed the register allocation of two unsplit kernels. if constexpr below for the same reason.)
+  const int stages_per_tile = [&] {
+    if constexpr (SPLIT > 1) return split_slice_groups<SPLIT, GPS>(groups) / GPS; else return (groups + GPS - 1) / GPS;
+  }();
 
   // ---- Work list (grouped_tile_list.cuh): exclusive prefix of tiles per expert in smem.
   __shared__ int32_t warp_total[kThreads / 32];
   const auto tiles =
       cta_tiles<kThreads, kTileM, kTileN>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
-  if (tiles.empty()) return;
-  const int total_iters = tiles.count * stages_per_tile;
+  // Split-K (SPLIT > 1, split_k.cuh): a cluster of SPLIT CTAs shares each tile, CTA `rank` takes the
+  // K groups [g_begin, g_begin + slice_groups); cluster c takes tiles c, c + clusters, ...
+  const SplitSlice slice = split_slice<SPLIT, GPS>(groups, tiles.total);
+  if constexpr (SPLIT > 1) {
+    if (slice.tile_count == 0) return;  // the whole cluster (no cluster barrier is pending)
+  } else {
+    if (tiles.empty()) return;
+  }
+  const int tile_count = [&] {
+    if constexpr (SPLIT > 1) return slice.tile_count; else return tiles.count;
+  }();
+  const int g_first = [&] {  // this CTA's first K group
+    if constexpr (SPLIT > 1) return slice.g_begin; else return 0;
+  }();
+  auto tile_of = [&](int i) {
+    if constexpr (SPLIT > 1) {
+      return tiles.at(slice.first_tile + i * slice.tile_stride);
+    } else {
+      return tiles[i];
+    }
+  };
+  const int total_iters = tile_count * stages_per_tile;
 
   const int64_t row_bytes_b = p.k / 2;
   const int groups_per_kb = p.k / 512;  // packed-4 scale blocks
@@ -322,7 +364,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   auto issue_loads = [&](int it, int stage) {
     const int s = it % stages_per_tile;
     if (s == 0) {
-      const GroupedTile t = tiles[it / stages_per_tile];
+      const GroupedTile t = tile_of(it / stages_per_tile);
       // Weight row of tile row r: row_lo + r, plus row_jump when r >= TILE_M / 2 (only in the fused
       // gated epilogue: gate rows of F features, then their up rows; see the top comment).
       // (The plain kernels keep their exact address arithmetic: if constexpr.)
@@ -364,8 +406,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         }
       }
     }
-    const int g0 = s * GPS;
-    const int valid_groups = min(GPS, groups - g0);
+    const int g0 = g_first + s * GPS;
+    const int valid_groups = min(GPS, groups - g0);  // <= 0: a split's stage past K (zero-filled)
     uint8_t* sb = stages + stage * Cfg::kStageBytes;
     uint8_t* sa = sb + Cfg::kStageB;
     uint8_t* ss = sa + Cfg::kStageA;
@@ -443,8 +485,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
 #pragma unroll
     for (int gk = 0; gk < GPS / WARPS_K; ++gk) {
       const int gg = gk * WARPS_K + warp_k;  // this warp's groups of the stage
-      const int g = s * GPS + gg;
-      if (GPS > 1 && g >= groups) break;  // K tail of the last stage (uniform branch)
+      const int g = g_first + s * GPS + gg;
+      if ((GPS > 1 || SPLIT > 1) && g >= groups) break;  // K tail of the last stage (uniform branch)
       // Weights: one 16-byte word (32 int4) of rows gid and gid + 8 of every M fragment.
       uint4 w[MF][2];
 #pragma unroll
@@ -505,20 +547,36 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
           }
         }
       }
-      // Group promotion: acc += S[row, g] * P, P = 2^24 * (part + bias) (fp32, g increasing).
+      if constexpr (SPLIT > 1) {
+        // Split-K: the group's fp32 sum Q = part + bias waits in this CTA's shared memory; the
+        // cluster's leader promotes every group in the unsplit order at the end of the tile.
+        float* q = split_q + (g - g_first) * (kTileM * kTileN);
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf) {
-        const int r = (warp_m * MF + mf) * 16 + gid;
-        const int s0 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + r * 4 + (g & 3) : gg * kTileM + r;
-        const int s1 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + (r + 8) * 4 + (g & 3) : gg * kTileM + r + 8;
-        const float scale0 = __bfloat162float(ss[s0]) * kF16BiasedUnit;
-        const float scale1 = __bfloat162float(ss[s1]) * kF16BiasedUnit;
+        for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-        for (int nf = 0; nf < NF; ++nf) {
-          acc[mf][nf][0] = fmaf(scale0, part[mf][nf][0] + bias[nf][0], acc[mf][nf][0]);
-          acc[mf][nf][1] = fmaf(scale0, part[mf][nf][1] + bias[nf][1], acc[mf][nf][1]);
-          acc[mf][nf][2] = fmaf(scale1, part[mf][nf][2] + bias[nf][2], acc[mf][nf][2]);
-          acc[mf][nf][3] = fmaf(scale1, part[mf][nf][3] + bias[nf][3], acc[mf][nf][3]);
+          for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const int r = (warp_m * MF + mf) * 16 + gid + 8 * (c >> 1);
+              const int token = (warp_n * NF + nf) * 8 + tig * 2 + (c & 1);
+              q[token * kTileM + r] = part[mf][nf][c] + bias[nf][c];
+            }
+      } else {
+        // Group promotion: acc += S[row, g] * P, P = 2^24 * (part + bias) (fp32, g increasing).
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf) {
+          const int r = (warp_m * MF + mf) * 16 + gid;
+          const int s0 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + r * 4 + (g & 3) : gg * kTileM + r;
+          const int s1 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + (r + 8) * 4 + (g & 3) : gg * kTileM + r + 8;
+          const float scale0 = __bfloat162float(ss[s0]) * kF16BiasedUnit;
+          const float scale1 = __bfloat162float(ss[s1]) * kF16BiasedUnit;
+#pragma unroll
+          for (int nf = 0; nf < NF; ++nf) {
+            acc[mf][nf][0] = fmaf(scale0, part[mf][nf][0] + bias[nf][0], acc[mf][nf][0]);
+            acc[mf][nf][1] = fmaf(scale0, part[mf][nf][1] + bias[nf][1], acc[mf][nf][1]);
+            acc[mf][nf][2] = fmaf(scale1, part[mf][nf][2] + bias[nf][2], acc[mf][nf][2]);
+            acc[mf][nf][3] = fmaf(scale1, part[mf][nf][3] + bias[nf][3], acc[mf][nf][3]);
+          }
         }
       }
     }
@@ -527,20 +585,34 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       if constexpr (WARPS_K > 1) {  // ---- K warps meet (k_warps.cuh); the next iteration's barrier retires `park`
         float* park = reinterpret_cast<float*>(stages + STAGES * Cfg::kStageBytes);
         constexpr int kMnThreads = WARPS_M * WARPS_N * 32;
-        const bool k0 = meet_k_warps<WARPS_K, MF, NF, kMnThreads>(acc, park, warp_k, tid % kMnThreads);
+        bool k0;
+        if constexpr (SPLIT > 1) {
+          // ---- The cluster meets (split_k.cuh): the leader's k = 0 warps rebuild acc from every CTA's
+          // Q in the unsplit order (the same bits); the other CTAs go on to their next tile.
+          const GroupedTile t = tile_of(it / stages_per_tile);
+          const bool leader = split_k_promote<WARPS_K, MF, NF, kTileM, kTileN>(
+              acc, split_q, slice, groups, t, p, [&](int r) { return b_scale_row<kAct, kTileM>(p, t, r); }, warp_m,
+              warp_n, warp_k, gid, tig);
+          if (!leader) continue;  // uniform per CTA
+          k0 = warp_k == 0;
+        } else {
+          k0 = meet_k_warps<WARPS_K, MF, NF, kMnThreads>(acc, park, warp_k, tid % kMnThreads);
+        }
         if constexpr (kAct) {  // ---- Fused epilogue: A2 and s2 (all threads; see the top comment)
           static_assert(Cfg::kSplitBytes >= kTileM * kTileN * 4, "park holds the tile's h");
           act_requant_epilogue<WARPS_M, WARPS_N, MF, NF, kTileM, kTileN, kThreads>(
-              p, tiles[it / stages_per_tile], acc, park, k0, warp_m, warp_n, lane, tid);
+              p, tile_of(it / stages_per_tile), acc, park, k0, warp_m, warp_n, lane, tid);
           continue;
         }
         if (!k0) continue;
+      } else {
+        static_assert(SPLIT == 1, "split-K meets through the K warps' code path (WARPS_K > 1)");
       }
       if constexpr (kAct) {
         static_assert(WARPS_K > 1, "the fused epilogue uses the K warps' meeting memory");
       } else {
         // ---- Epilogue: D[row, n] = out(a_scale(row) * acc).
-        store_fragments<OutT>(acc, tiles[it / stages_per_tile], p, warp_m, warp_n, gid, tig, 1.0f,
+        store_fragments<OutT>(acc, tile_of(it / stages_per_tile), p, warp_m, warp_n, gid, tig, 1.0f,
                               [&](int row, float lo, float hi, float& out_lo, float& out_hi) {
                                 const float as = p.a_scales[p.a_scales_per_row ? row : 0];
                                 out_lo = as * lo;
