@@ -53,15 +53,16 @@ const std::vector<Tactic>& compiled() {
   return list;
 }
 
-// Split-K tactics (src/cuda/gemm/split_k.cuh: clusters of CTAs share a tile's K groups, same bits as
-// the unsplit mma.sync tiles). Not yet timed on a GPU: valid only when QMOE_SPLIT_K_TACTICS=1 (read
-// per call), and never the heuristic's choice. Limit: ceil(ceil(K / 128 / 4) / 4) * 4 <= 16 groups
-// per CTA, i.e. K <= 8192.
+// Split-K tactics (src/cuda/gemm/split_k.cuh: a cluster of split_k CTAs shares each tile's K groups,
+// same bits as the unsplit mma.sync tiles). Not yet timed on a GPU: valid only when
+// QMOE_SPLIT_K_TACTICS=1 (read per call), and never the heuristic's choice. Limit: a CTA's slice,
+// ceil(ceil(K / 128 / split_k) / 4) * 4 groups, holds at most 16: K <= split_k * 2048 (s4: 8192, s8:
+// 16384, Mixtral's 14336).
 const std::vector<Tactic>& compiled_split_k() {
-  static const std::vector<Tactic> list = {make(Family::kDecode, 64, 8, 512, 4)};
+  static const std::vector<Tactic> list = {make(Family::kDecode, 64, 8, 512, 4), make(Family::kDecode, 64, 8, 512, 8)};
   return list;
 }
-constexpr int64_t kSplitKMaxK = 4 * 16 * 128;
+constexpr int64_t kSplitKMaxGroupsPerCta = 16;
 
 bool split_k_tactics_enabled() {
   const char* v = std::getenv("QMOE_SPLIT_K_TACTICS");
@@ -127,8 +128,9 @@ std::vector<Tactic> valid_tactics(const GemmProblem& problem) {
     return {};
   if (problem.bf16_activations) return compiled_bf16();
   std::vector<Tactic> valid = compiled();
-  if (split_k_tactics_enabled() && problem.k <= kSplitKMaxK)
-    valid.insert(valid.end(), compiled_split_k().begin(), compiled_split_k().end());
+  if (split_k_tactics_enabled())
+    for (const Tactic& t : compiled_split_k())
+      if (problem.k <= t.split_k * kSplitKMaxGroupsPerCta * 128) valid.push_back(t);
   return valid;
 }
 

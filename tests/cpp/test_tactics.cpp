@@ -126,7 +126,16 @@ TEST(Tactics, SplitKOnlyWithItsSwitch) {
   setenv("QMOE_SPLIT_K_TACTICS", "1", 1);
   EXPECT_TRUE(has_split(problem(8, 256, 4096, 2048)));
   EXPECT_TRUE(has_split(problem(8, 256, 4096, 8192)));
-  EXPECT_FALSE(has_split(problem(8, 256, 4096, 8320)));  // 65 groups: slices of 20 > 16
+  auto splits = [](const qmoe::GemmProblem& p) {
+    std::vector<int> s;
+    for (const auto& t : qmoe::valid_tactics(p))
+      if (t.split_k != 1) s.push_back(t.split_k);
+    return s;
+  };
+  EXPECT_EQ(splits(problem(8, 256, 4096, 8192)), (std::vector<int>{4, 8}));
+  EXPECT_EQ(splits(problem(8, 256, 4096, 8320)), (std::vector<int>{8}));  // 65 groups: s4 slices of 20 > 16
+  EXPECT_EQ(splits(problem(8, 256, 4096, 14336)), (std::vector<int>{8}));  // Mixtral GEMM2
+  EXPECT_FALSE(has_split(problem(8, 256, 4096, 16512)));
   qmoe::GemmProblem bf16 = problem(8, 256, 4096, 2048);
   bf16.bf16_activations = true;
   EXPECT_FALSE(has_split(bf16));
@@ -136,6 +145,7 @@ TEST(Tactics, SplitKOnlyWithItsSwitch) {
   EXPECT_EQ(split.split_k, 4);
   EXPECT_EQ(split.tile_m, 64);
   EXPECT_EQ(split.name(), "decode_m64_n8_k512_s4");
+  EXPECT_EQ(qmoe::parse_tactic("decode_m64_n8_k512_s8").split_k, 8);
 }
 
 TEST(Tactics, UnknownNameThrows) {

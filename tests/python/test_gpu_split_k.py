@@ -1,6 +1,6 @@
-"""GPU tests of the split-K decode tactic decode_m64_n8_k512_s4 (src/cuda/gemm/split_k.cuh): a cluster
-of 4 CTAs shares each tile's K groups and the leader promotes them in the unsplit order, so the result
-must equal the unsplit m64 n8 tile's bit for bit (and with it every mma.sync tactic's).
+"""GPU tests of the split-K decode tactics decode_m64_n8_k512_s4 / _s8 (src/cuda/gemm/split_k.cuh): a
+cluster of 4 or 8 CTAs shares each tile's K groups and the leader promotes them in the unsplit order, so
+the result must equal the unsplit m64 n8 tile's bit for bit (and with it every mma.sync tactic's).
 
 Offered only with QMOE_SPLIT_K_TACTICS=1 (set per test here). Checked: the public GEMM (bf16 out) on
 ragged experts (empty ones, one row, all rows on one expert), K from 1 group (three of the four CTAs
@@ -24,7 +24,8 @@ from qmoe import reference as ref  # noqa: E402
 from qmoe import testing  # noqa: E402
 from qmoe.compat import sgl_kernel as sgl  # noqa: E402
 
-SPLIT = "decode_m64_n8_k512_s4"
+SPLITS = ["decode_m64_n8_k512_s4", "decode_m64_n8_k512_s8"]
+SPLIT = SPLITS[0]
 UNSPLIT = "decode_m64_n8_k512"
 
 
@@ -65,6 +66,7 @@ GEMM_CASES = {
     "k2048_q30": (16, 1536, 2048, [1, 0, 0, 2, 1, 0, 7, 1, 0, 0, 1, 3, 0, 1, 0, 8]),
     "k7168_dsv3": (8, 512, 7168, [1, 2, 0, 1, 1, 0, 3, 1]),
     "k8192_limit": (2, 128, 8192, [4, 1]),
+    "k14336_mixtral_g2": (2, 256, 14336, [1, 1]),  # s8 only (s4 slices would need 28 groups)
     "all_on_one_expert": (6, 256, 1024, [0, 0, 8, 0, 0, 0]),
     "many_single_rows": (64, 128, 512, [1] * 64),
 }
@@ -74,20 +76,24 @@ GEMM_CASES = {
 @pytest.mark.parametrize("case", list(GEMM_CASES))
 def test_split_gemm_same_bits_as_unsplit(case, per_row):
     experts, n, k, counts = GEMM_CASES[case]
-    assert SPLIT in qmoe.valid_tactics(n, k, sum(counts), experts)
-    split, mask = gemm(experts, n, k, counts, seed=7, per_row=per_row, tactic=SPLIT)
+    valid = qmoe.valid_tactics(n, k, sum(counts), experts)
+    splits = [t for t in SPLITS if t in valid]
+    assert splits == ([SPLITS[1]] if k > 8192 else SPLITS), valid
     unsplit, _ = gemm(experts, n, k, counts, seed=7, per_row=per_row, tactic=UNSPLIT)
-    assert torch.isnan(split[~mask].float()).all(), "rows outside every group were written"
-    assert torch.isfinite(split[mask].float()).all(), "group rows unwritten or not finite"
-    assert torch.equal(split.view(torch.int16), unsplit.view(torch.int16)), "split-K changed the bits"
+    for tactic in splits:
+        split, mask = gemm(experts, n, k, counts, seed=7, per_row=per_row, tactic=tactic)
+        assert torch.isnan(split[~mask].float()).all(), f"{tactic}: rows outside every group were written"
+        assert torch.isfinite(split[mask].float()).all(), f"{tactic}: group rows unwritten or not finite"
+        assert torch.equal(split.view(torch.int16), unsplit.view(torch.int16)), f"{tactic} changed the bits"
 
 
 def test_split_tactic_refused_past_its_k_limit():
-    """K = 8320 (65 groups): a slice would need 20 groups > 16; the tactic is not offered and forcing it
-    raises before any launch."""
-    assert SPLIT not in qmoe.valid_tactics(128, 8320, 4, 2)
+    """K = 8320 (65 groups): an s4 slice would need 20 groups > 16, so s4 is not offered and forcing it
+    raises before any launch; K = 16512 (129 groups) is past s8's limit too."""
+    assert SPLITS[0] not in qmoe.valid_tactics(128, 8320, 4, 2) and SPLITS[1] in qmoe.valid_tactics(128, 8320, 4, 2)
     with pytest.raises(ValueError, match="tactic"):
-        gemm(2, 128, 8320, [3, 1], seed=1, per_row=False, tactic=SPLIT)
+        gemm(2, 128, 8320, [3, 1], seed=1, per_row=False, tactic=SPLITS[0])
+    assert not set(SPLITS) & set(qmoe.valid_tactics(128, 16512, 4, 2))
 
 
 FUSED_CASES = {
@@ -99,12 +105,13 @@ FUSED_CASES = {
 }
 
 
+@pytest.mark.parametrize("tactic", SPLITS)
 @pytest.mark.parametrize("case", list(FUSED_CASES))
-def test_split_fused_layer_same_bits_as_unsplit(case):
+def test_split_fused_layer_same_bits_as_unsplit(case, tactic):
     tokens, top_k, experts, hidden, inter, make_kw, kw = FUSED_CASES[case]
     dev = on_device(testing.make_fused_moe_case("w4a8_int4", tokens, hidden, inter, experts, top_k, seed=11,
                                                 **make_kw))
-    split = qmoe.fused_moe(**dev, deterministic=True, tactic=SPLIT, **kw)
+    split = qmoe.fused_moe(**dev, deterministic=True, tactic=tactic, **kw)
     unsplit = qmoe.fused_moe(**dev, deterministic=True, tactic=UNSPLIT, **kw)
     torch.cuda.synchronize()
     assert torch.isfinite(split.float()).all()

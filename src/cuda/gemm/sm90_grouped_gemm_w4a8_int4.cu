@@ -156,11 +156,13 @@ bool is_tactic(const Tactic& tactic, Tactic::Family f, int m, int n, int k) {
   return tactic.family == f && tactic.tile_m == m && tactic.tile_n == n && tactic.tile_k == k && tactic.split_k == 1;
 }
 
-// decode_m64_n8_k512_s4: the m64 n8 tile split over clusters of 4 CTAs (split_k.cuh). Offered only with
-// QMOE_SPLIT_K_TACTICS=1 (src/tune/tactics.cpp) until it has been timed.
-bool is_split_m64_n8(const Tactic& tactic) {
-  return tactic.family == Tactic::Family::kDecode && tactic.tile_m == 64 && tactic.tile_n == 8 &&
-         tactic.tile_k == 512 && tactic.split_k == 4;
+// decode_m64_n8_k512_s4 / _s8: the m64 n8 tile split over clusters of 4 or 8 CTAs (split_k.cuh). Offered
+// only with QMOE_SPLIT_K_TACTICS=1 (src/tune/tactics.cpp) until it has been timed. Returns the cluster
+// size, 0 for any other tactic.
+int split_m64_n8(const Tactic& tactic) {
+  const bool tile = tactic.family == Tactic::Family::kDecode && tactic.tile_m == 64 && tactic.tile_n == 8 &&
+                    tactic.tile_k == 512;
+  return tile && (tactic.split_k == 4 || tactic.split_k == 8) ? tactic.split_k : 0;
 }
 
 // The WGMMA tactics (prefill_m128_n128_k128 and prefill_m128_n64_k128: sm90_grouped_gemm_w4a8_int4_wgmma.cu).
@@ -238,12 +240,17 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     launch<2, 1, 2, 1, 4, 4, 2, 2>(params, fp32_out, rows, device, stream);  // n8 at half height
   } else if (is(Family::kDecode, 64, 32, 512)) {
     launch<4, 1, 1, 4, 4, 3, 2, 2>(params, fp32_out, rows, device, stream);
-  } else if (is_split_m64_n8(tactic)) {
-    // The m64 n8 tile with 3 stages (its 32 KB of group sums keep two CTAs per SM), clusters of 4.
+  } else if (split_m64_n8(tactic) == 4) {
+    // The m64 n8 tile with 3 stages (its 32 KB of group sums keep two CTAs per SM), clusters of 4 / 8.
     if (fp32_out)
       launch_split<float, 2, 1, 2, 1, 4, 3, 2, 2, 4>(params, rows, device, stream);
     else
       launch_split<__nv_bfloat16, 2, 1, 2, 1, 4, 3, 2, 2, 4>(params, rows, device, stream);
+  } else if (split_m64_n8(tactic) == 8) {
+    if (fp32_out)
+      launch_split<float, 2, 1, 2, 1, 4, 3, 2, 2, 8>(params, rows, device, stream);
+    else
+      launch_split<__nv_bfloat16, 2, 1, 2, 1, 4, 3, 2, 2, 8>(params, rows, device, stream);
   } else if (is(Family::kPrefill, 128, 64, 256)) {
     launch<2, 2, 4, 4, 2, 3, 2, 1>(params, fp32_out, rows, device, stream);  // 8 warps x ~170 registers: one CTA per SM
   } else if (is_wgmma(tactic)) {
@@ -260,7 +267,7 @@ bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activ
   using Family = Tactic::Family;
   const bool decode = is_tactic(tactic, Family::kDecode, 128, 8, 256) || is_tactic(tactic, Family::kDecode, 128, 16, 256) ||
                       is_tactic(tactic, Family::kDecode, 64, 8, 512) || is_tactic(tactic, Family::kDecode, 64, 32, 512) ||
-                      is_split_m64_n8(tactic);
+                      split_m64_n8(tactic) != 0;
   if (!(decode || is_wgmma(tactic)) || inter <= 0) return false;
   // Gated: a tile's F = TILE_M / 2 (64 or 32) features never straddle I nor an interleaved 64-group.
   if (activation != Activation::kRelu2) return n == 2 * inter && inter % 64 == 0;
@@ -304,8 +311,10 @@ void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cu
     launch_typed<ActE4m3, 2, 1, 4, 2, 2, 4, 2, 2>(params, rows, device, stream);
   } else if (is_tactic(tactic, Family::kDecode, 64, 8, 512)) {
     launch_typed<ActE4m3, 2, 1, 2, 1, 4, 4, 2, 2>(params, rows, device, stream);
-  } else if (is_split_m64_n8(tactic)) {
+  } else if (split_m64_n8(tactic) == 4) {
     launch_split<ActE4m3, 2, 1, 2, 1, 4, 3, 2, 2, 4>(params, rows, device, stream);
+  } else if (split_m64_n8(tactic) == 8) {
+    launch_split<ActE4m3, 2, 1, 2, 1, 4, 3, 2, 2, 8>(params, rows, device, stream);
   } else {
     launch_typed<ActE4m3, 4, 1, 1, 4, 4, 3, 2, 2>(params, rows, device, stream);
   }
