@@ -53,6 +53,7 @@ def test_pdl_choice_reaches_fused_moe_only_when_given():
     assert moe._parse_args([]).pdl == "default" and moe._pdl_kwargs(moe._parse_args([])) == {}
     assert moe._pdl_kwargs(moe._parse_args(["--pdl", "on"])) == {"enable_pdl": True}
     assert moe._pdl_kwargs(moe._parse_args(["--pdl", "off"])) == {"enable_pdl": False}
+    assert moe._pdl_kwargs(moe._parse_args(["--tactic", "decode_m64_n8_k512_s4"])) == {"tactic": "decode_m64_n8_k512_s4"}
 
 
 @pytest.mark.parametrize("argv", [["--models", "llama"], ["--tokens", "1,x"], ["--tokens", "0"],

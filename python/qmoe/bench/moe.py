@@ -65,8 +65,11 @@ FINALIZES = {"det": True, "fused": False}  # name -> qmoe.fused_moe(deterministi
 
 
 def _pdl_kwargs(args) -> dict:
-    """--pdl: qmoe.fused_moe's enable_pdl, or nothing (the library's default)."""
-    return {} if args.pdl == "default" else {"enable_pdl": args.pdl == "on"}
+    """--pdl: qmoe.fused_moe's enable_pdl, or nothing (the library's default); --tactic: a forced tactic."""
+    kw = {} if args.pdl == "default" else {"enable_pdl": args.pdl == "on"}
+    if args.tactic:
+        kw["tactic"] = args.tactic
+    return kw
 PEER_FILE = "2026-11-30_h200_vllm_triton_moe.json"
 PEER_FORMATS = ("bf16", "fp8", "int4")
 MODES = tuple(common.QUANT_MODES)  # run order
@@ -101,6 +104,9 @@ def _parse_args(argv):
                    help="qmoe w4a8_int4: dynamic a1 and a2 instead of static (the other modes take no such choice)")
     p.add_argument("--pdl", choices=["default", "on", "off"], default="default",
                    help="qmoe's enable_pdl (default: the library's default)")
+    p.add_argument("--tactic", default="",
+                   help="force this tactic on qmoe's calls (default: the heuristic); where it is not valid the "
+                        "row records the error")
     p.add_argument("--no-torch-peers", action="store_true", help="skip the torch._grouped_mm MoE peers")
     p.add_argument("--peers", default=common.peer_path(PEER_FILE, "QMOE_VLLM_PEERS"),
                    help="vLLM peer measurement JSON ('' to skip; default $QMOE_VLLM_PEERS or the shared/bench copy)")
