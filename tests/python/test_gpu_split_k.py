@@ -64,6 +64,7 @@ GEMM_CASES = {
     "k128_one_group": (4, 64, 128, [1, 0, 3, 8]),
     "k640_packed1": (3, 200, 640, [5, 1, 0]),
     "k2048_q30": (16, 1536, 2048, [1, 0, 0, 2, 1, 0, 7, 1, 0, 0, 1, 3, 0, 1, 0, 8]),
+    "k768_q30_g2": (8, 2048, 768, [1, 0, 2, 1, 0, 3, 1, 0]),  # 6 groups: slices of 2 (s4) and 1 (s8)
     "k7168_dsv3": (8, 512, 7168, [1, 2, 0, 1, 1, 0, 3, 1]),
     "k8192_limit": (2, 128, 8192, [4, 1]),
     "k14336_mixtral_g2": (2, 256, 14336, [1, 1]),  # s8 only (s4 slices would need 28 groups)
@@ -99,6 +100,7 @@ def test_split_tactic_refused_past_its_k_limit():
 FUSED_CASES = {
     # name: (tokens, top_k, experts, hidden, inter, make_fused_moe_case keywords, fused_moe keywords)
     "swiglu_fused_epilogue": (1, 8, 16, 2048, 768, {}, {}),
+    "swiglu_fused_epilogue_packed1": (3, 4, 16, 640, 256, {}, {}),  # GEMM1 K = 640: one scale per group row
     "swiglu_dynamic_a2": (3, 4, 16, 512, 256, dict(static_scales=False), {}),
     "relu2": (5, 2, 8, 1024, 512, dict(activation="relu2"), {}),
     "ep_local_experts": (7, 4, 32, 512, 256, dict(num_local_experts=12, local_expert_offset=8), {}),
@@ -118,20 +120,21 @@ def test_split_fused_layer_same_bits_as_unsplit(case, tactic):
     assert torch.equal(split.view(torch.int16), unsplit.view(torch.int16))
 
 
-def test_split_fused_finalize_and_graph_replay():
+@pytest.mark.parametrize("tactic", SPLITS)
+def test_split_fused_finalize_and_graph_replay(tactic):
     """The fused finalize (GEMM2 adds into the zeroed output: atomics, so compared with a tolerance) and a
     captured deterministic call replayed on new routing."""
     case = testing.make_fused_moe_case("w4a8_int4", 4, 1024, 512, 16, 4, seed=12)
     dev = on_device(case)
-    fused = qmoe.fused_moe(**dev, deterministic=False, tactic=SPLIT)
+    fused = qmoe.fused_moe(**dev, deterministic=False, tactic=tactic)
     det = qmoe.fused_moe(**dev, deterministic=True, tactic=UNSPLIT)
     torch.cuda.synchronize()
     testing.assert_close(fused.float().cpu().numpy(), det.float().cpu().numpy(), "w4a8_int4", what="fused finalize")
     out = torch.full_like(det, float("nan"))
-    qmoe.fused_moe(**dev, deterministic=True, tactic=SPLIT, out=out)  # warm-up outside the capture
+    qmoe.fused_moe(**dev, deterministic=True, tactic=tactic, out=out)  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        qmoe.fused_moe(**dev, deterministic=True, tactic=SPLIT, out=out)
+        qmoe.fused_moe(**dev, deterministic=True, tactic=tactic, out=out)
     new_ids, new_weights = testing.make_routing(4, 4, 16, seed=13)
     dev["topk_ids"].copy_(torch.from_numpy(new_ids))
     dev["topk_weights"].copy_(torch.from_numpy(new_weights))
@@ -140,3 +143,16 @@ def test_split_fused_finalize_and_graph_replay():
     want = qmoe.fused_moe(**dev, deterministic=True, tactic=UNSPLIT)
     torch.cuda.synchronize()
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("sms", [1, 7])
+def test_split_same_bits_with_few_clusters(sms):
+    """qmoe.limit_sms(1): one cluster walks every tile (the next tile's group sums written while nothing
+    of the previous one may still be read); 7: a few clusters. Same bits as the unsplit tile."""
+    experts, n, k, counts = GEMM_CASES["k2048_q30"]
+    unsplit, _ = gemm(experts, n, k, counts, seed=9, per_row=True, tactic=UNSPLIT)
+    for tactic in SPLITS:
+        with qmoe.limit_sms(sms):
+            split, mask = gemm(experts, n, k, counts, seed=9, per_row=True, tactic=tactic)
+        assert torch.isnan(split[~mask].float()).all()
+        assert torch.equal(split.view(torch.int16), unsplit.view(torch.int16)), f"{tactic} under {sms} SMs"

@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   extern __shared__ __align__(128) uint8_t smem[];
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem);  // [E + 1] exclusive prefix of tiles
   uint8_t* stages = smem + Cfg::kTileStartBytes;
-  // Split-K only: [kSplitMaxGroups][TILE_N][TILE_M] fp32 group sums, after the K warps' park.
+  // Split-K only: the group sums q[kSplitMaxGroups][TILE_N][TILE_M + 4] (split_k.cuh), after the K warps' park.
   float* split_q = reinterpret_cast<float*>(stages + STAGES * Cfg::kStageBytes + Cfg::kSplitBytes);
 
   const int tid = threadIdx.x;
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   // (Computed here, before the work list, as in the unsplit kernel: computed after it, the same value
   // changed the register allocation of two unsplit kernels. if constexpr below for the same reason.)
   const int stages_per_tile = [&] {
-    if constexpr (SPLIT > 1) return split_slice_groups<SPLIT, GPS>(groups) / GPS; else return (groups + GPS - 1) / GPS;
+    if constexpr (SPLIT > 1) return (split_slice_groups<SPLIT>(groups) + GPS - 1) / GPS; else return (groups + GPS - 1) / GPS;
   }();
 
   // ---- Work list (grouped_tile_list.cuh): exclusive prefix of tiles per expert in smem.
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       cta_tiles<kThreads, kTileM, kTileN>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
   // Split-K (SPLIT > 1, split_k.cuh): a cluster of SPLIT CTAs shares each tile, CTA `rank` takes the
   // K groups [g_begin, g_begin + slice_groups); cluster c takes tiles c, c + clusters, ...
-  const SplitSlice slice = split_slice<SPLIT, GPS>(groups, tiles.total);
+  const SplitSlice slice = split_slice<SPLIT>(groups, tiles.total);
   if constexpr (SPLIT > 1) {
     if (slice.tile_count == 0) return;  // the whole cluster (no cluster barrier is pending)
   } else {
@@ -326,6 +326,9 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   }();
   const int g_first = [&] {  // this CTA's first K group
     if constexpr (SPLIT > 1) return slice.g_begin; else return 0;
+  }();
+  const int g_end = [&] {  // one past its last
+    if constexpr (SPLIT > 1) return slice.g_end; else return groups;
   }();
   auto tile_of = [&](int i) {
     if constexpr (SPLIT > 1) {
@@ -407,7 +410,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       }
     }
     const int g0 = g_first + s * GPS;
-    const int valid_groups = min(GPS, groups - g0);  // <= 0: a split's stage past K (zero-filled)
+    const int valid_groups = min(GPS, g_end - g0);  // <= 0: a split's stage past its slice (zero-filled)
     uint8_t* sb = stages + stage * Cfg::kStageBytes;
     uint8_t* sa = sb + Cfg::kStageB;
     uint8_t* ss = sa + Cfg::kStageA;
@@ -434,7 +437,9 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       const uint8_t* src = valid ? a_src + i * a_pass_stride + g0 * kGroup : p.a;
       cp_async_16(sa + r * kTileK + (swizzle_a(a_chunk, r) << 4), src, valid);
     }
-    if (p.scales_packed4) {
+    if constexpr (SPLIT > 1) {
+      // (no scale copies: the split promotion reads the scales from global memory, split_k.cuh)
+    } else if (p.scales_packed4) {
       if (tid < Cfg::kScaleBlocks * kTileM / 2) {
         const bool valid = s_valid && (tid / (kTileM / 2)) * 4 < valid_groups;
         const __nv_bfloat16* src = valid ? s_src + static_cast<int64_t>(g0 / 4) * 4 * p.n : p.b_scales;
@@ -486,7 +491,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     for (int gk = 0; gk < GPS / WARPS_K; ++gk) {
       const int gg = gk * WARPS_K + warp_k;  // this warp's groups of the stage
       const int g = g_first + s * GPS + gg;
-      if ((GPS > 1 || SPLIT > 1) && g >= groups) break;  // K tail of the last stage (uniform branch)
+      if ((GPS > 1 || SPLIT > 1) && g >= g_end) break;  // K tail of the last stage (uniform branch)
       // Weights: one 16-byte word (32 int4) of rows gid and gid + 8 of every M fragment.
       uint4 w[MF][2];
 #pragma unroll
@@ -550,7 +555,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       if constexpr (SPLIT > 1) {
         // Split-K: the group's fp32 sum Q = part + bias waits in this CTA's shared memory; the
         // cluster's leader promotes every group in the unsplit order at the end of the tile.
-        float* q = split_q + (g - g_first) * (kTileM * kTileN);
+        constexpr int kQStride = split_q_token_stride<kTileM>();
+        float* q = split_q + (g - g_first) * (kTileN * kQStride);
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -559,7 +565,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
             for (int c = 0; c < 4; ++c) {
               const int r = (warp_m * MF + mf) * 16 + gid + 8 * (c >> 1);
               const int token = (warp_n * NF + nf) * 8 + tig * 2 + (c & 1);
-              q[token * kTileM + r] = part[mf][nf][c] + bias[nf][c];
+              q[token * kQStride + r] = part[mf][nf][c] + bias[nf][c];
             }
       } else {
         // Group promotion: acc += S[row, g] * P, P = 2^24 * (part + bias) (fp32, g increasing).
@@ -590,9 +596,10 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
           // ---- The cluster meets (split_k.cuh): the leader's k = 0 warps rebuild acc from every CTA's
           // Q in the unsplit order (the same bits); the other CTAs go on to their next tile.
           const GroupedTile t = tile_of(it / stages_per_tile);
-          const bool leader = split_k_promote<WARPS_K, MF, NF, kTileM, kTileN>(
-              acc, split_q, slice, groups, t, p, [&](int r) { return b_scale_row<kAct, kTileM>(p, t, r); }, warp_m,
-              warp_n, warp_k, gid, tig);
+          static_assert(Cfg::kSplitBytes >= kTileM * kTileN * 4, "park holds the tile's sums");
+          const bool leader = split_k_promote<SPLIT, WARPS_K, MF, NF, kTileM, kTileN, kThreads>(
+              acc, split_q, park, slice, groups, t, p, [&](int r) { return b_scale_row<kAct, kTileM>(p, t, r); },
+              warp_m, warp_n, warp_k, gid, tig, tid);
           if (!leader) continue;  // uniform per CTA
           k0 = warp_k == 0;
         } else {
