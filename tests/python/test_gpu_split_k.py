@@ -1,6 +1,6 @@
 """GPU tests of the split-K decode tactics decode_m64_n8_k512_s4 / _s8 (src/cuda/gemm/split_k.cuh): a
-cluster of 4 or 8 CTAs shares each tile's K groups and the leader promotes them in the unsplit order, so
-the result must equal the unsplit m64 n8 tile's bit for bit (and with it every mma.sync tactic's).
+cluster of 4 or 8 CTAs shares each tile's K groups and promotes them in the unsplit order, so the result
+must equal the unsplit m64 n8 tile's bit for bit (and with it every mma.sync tactic's).
 
 Offered only with QMOE_SPLIT_K_TACTICS=1 (set per test here). Checked: the public GEMM (bf16 out) on
 ragged experts (empty ones, one row, all rows on one expert), K from 1 group (three of the four CTAs
@@ -101,6 +101,7 @@ FUSED_CASES = {
     # name: (tokens, top_k, experts, hidden, inter, make_fused_moe_case keywords, fused_moe keywords)
     "swiglu_fused_epilogue": (1, 8, 16, 2048, 768, {}, {}),
     "swiglu_fused_epilogue_packed1": (3, 4, 16, 640, 256, {}, {}),  # GEMM1 K = 640: one scale per group row
+    "swiglu_interleaved64": (6, 4, 16, 1024, 256, dict(gate_up_layout="up_gate_interleaved64"), {}),
     "swiglu_dynamic_a2": (3, 4, 16, 512, 256, dict(static_scales=False), {}),
     "relu2": (5, 2, 8, 1024, 512, dict(activation="relu2"), {}),
     "ep_local_experts": (7, 4, 32, 512, 256, dict(num_local_experts=12, local_expert_offset=8), {}),
@@ -156,3 +157,17 @@ def test_split_same_bits_with_few_clusters(sms):
             split, mask = gemm(experts, n, k, counts, seed=9, per_row=True, tactic=tactic)
         assert torch.isnan(split[~mask].float()).all()
         assert torch.equal(split.view(torch.int16), unsplit.view(torch.int16)), f"{tactic} under {sms} SMs"
+
+
+@pytest.mark.parametrize("tactic", SPLITS)
+def test_split_tactic_runs_the_cluster_kernel(tactic):
+    """The forced tactic launches the split kernel (its last template argument is the cluster size), not
+    the unsplit one: bitwise equality alone would not notice a fallback."""
+    from torch.profiler import ProfilerActivity, profile
+
+    experts, n, k, counts = GEMM_CASES["k2048_q30"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gemm(experts, n, k, counts, seed=3, per_row=False, tactic=tactic)
+    names = [e.name for e in prof.events() if "sm90_grouped_gemm_w4a8_int4_kernel" in e.name]
+    cluster = tactic.rsplit("_s", 1)[1]
+    assert any(f", {cluster}>(" in name for name in names), names

@@ -62,9 +62,9 @@ void launch_split(const W4A8ParamsOf<OutT>& params, int64_t rows, int device, cu
   using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K>;
   constexpr auto kernel =
       sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K, MIN_BLOCKS, SPLIT>;
-  constexpr int kSmem = Cfg::kSmemBytes + split_q_bytes<Cfg::kTileM, Cfg::kTileN>();
+  constexpr int kSmem = Cfg::kSmemBytes + split_smem_bytes<Cfg::kTileM, Cfg::kTileN>();
   // valid_tactics offers the tactic only where a slice fits the Q buffer; a caller bug otherwise.
-  const int slice_groups = split_slice_groups<SPLIT>(params.k / w4a8::kGroup);
+  const int slice_groups = split_slice_groups<SPLIT>(params.k / w4a8::kGroup, params.scales_packed4 != 0);
   QMOE_CHECK_ARG(slice_groups <= kSplitMaxGroups, "tactic",
                  "a split-K tactic only for K <= " + std::to_string(SPLIT * kSplitMaxGroups * w4a8::kGroup),
                  "K = " + std::to_string(params.k));

@@ -263,18 +263,6 @@ __device__ __forceinline__ void act_requant_epilogue(const W4A8ActGemmParams& p,
   act_requant_items<kTileM, kThreads>(ep, t, park, tid);
 }
 
-// The weight row (hence the scale row) of tile row r: t.n0 + r, or in the fused gated epilogue the gate /
-// up row of the tile's features (the top comment). Split-K's promotion reads the scales with it.
-template <bool kAct, int kTileM, class Params>
-__device__ __forceinline__ int b_scale_row(const Params& p, const GroupedTile& t, int r) {
-  if constexpr (kAct) {
-    const ActTileRows rows_of = act_tile_rows<kTileM>(p.act_out, t.n0);
-    return rows_of.lo + r + (r >= kTileM / 2 ? rows_of.jump : 0);
-  } else {
-    return t.n0 + r;
-  }
-}
-
 // SPLIT > 1: split-K over a cluster of SPLIT CTAs, same bits (split_k.cuh).
 template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS,
           int SPLIT = 1>
@@ -294,7 +282,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   extern __shared__ __align__(128) uint8_t smem[];
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem);  // [E + 1] exclusive prefix of tiles
   uint8_t* stages = smem + Cfg::kTileStartBytes;
-  // Split-K only: the group sums q[kSplitMaxGroups][TILE_N][TILE_M + 4] (split_k.cuh), after the K warps' park.
+  // Split-K only: the group sums and scales (split_k.cuh, split_smem_bytes), after the K warps' park.
   float* split_q = reinterpret_cast<float*>(stages + STAGES * Cfg::kStageBytes + Cfg::kSplitBytes);
 
   const int tid = threadIdx.x;
@@ -306,7 +294,11 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   // (Computed here, before the work list, as in the unsplit kernel: computed after it, the same value
   // changed the register allocation of two unsplit kernels. if constexpr below for the same reason.)
   const int stages_per_tile = [&] {
-    if constexpr (SPLIT > 1) return (split_slice_groups<SPLIT>(groups) + GPS - 1) / GPS; else return (groups + GPS - 1) / GPS;
+    if constexpr (SPLIT > 1) {
+      return (split_slice_groups<SPLIT>(groups, p.scales_packed4) + GPS - 1) / GPS;
+    } else {
+      return (groups + GPS - 1) / GPS;
+    }
   }();
 
   // ---- Work list (grouped_tile_list.cuh): exclusive prefix of tiles per expert in smem.
@@ -315,7 +307,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       cta_tiles<kThreads, kTileM, kTileN>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
   // Split-K (SPLIT > 1, split_k.cuh): a cluster of SPLIT CTAs shares each tile, CTA `rank` takes the
   // K groups [g_begin, g_begin + slice_groups); cluster c takes tiles c, c + clusters, ...
-  const SplitSlice slice = split_slice<SPLIT>(groups, tiles.total);
+  const SplitSlice slice = split_slice<SPLIT>(groups, p.scales_packed4, tiles.total);
   if constexpr (SPLIT > 1) {
     if (slice.tile_count == 0) return;  // the whole cluster (no cluster barrier is pending)
   } else {
@@ -437,9 +429,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       const uint8_t* src = valid ? a_src + i * a_pass_stride + g0 * kGroup : p.a;
       cp_async_16(sa + r * kTileK + (swizzle_a(a_chunk, r) << 4), src, valid);
     }
-    if constexpr (SPLIT > 1) {
-      // (no scale copies: the split promotion reads the scales from global memory, split_k.cuh)
-    } else if (p.scales_packed4) {
+    if (p.scales_packed4) {
       if (tid < Cfg::kScaleBlocks * kTileM / 2) {
         const bool valid = s_valid && (tid / (kTileM / 2)) * 4 < valid_groups;
         const __nv_bfloat16* src = valid ? s_src + static_cast<int64_t>(g0 / 4) * 4 * p.n : p.b_scales;
@@ -553,10 +543,22 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         }
       }
       if constexpr (SPLIT > 1) {
-        // Split-K: the group's fp32 sum Q = part + bias waits in this CTA's shared memory; the
-        // cluster's leader promotes every group in the unsplit order at the end of the tile.
+        // Split-K: the group's fp32 sum Q = part + bias and its rows' scales (the values the promotion
+        // below would use) wait in this CTA's shared memory; the cluster promotes every group in the
+        // unsplit order at the end of the tile (split_k.cuh).
         constexpr int kQStride = split_q_token_stride<kTileM>();
         float* q = split_q + (g - g_first) * (kTileN * kQStride);
+        float* sc = split_q + split_q_floats<kTileM, kTileN>() + (g - g_first) * kTileM;
+        if (tig == 0 && warp_n == 0) {
+#pragma unroll
+          for (int mf = 0; mf < MF; ++mf) {
+            const int r = (warp_m * MF + mf) * 16 + gid;
+            const int s0 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + r * 4 + (g & 3) : gg * kTileM + r;
+            const int s1 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + (r + 8) * 4 + (g & 3) : gg * kTileM + r + 8;
+            sc[r] = __bfloat162float(ss[s0]) * kF16BiasedUnit;
+            sc[r + 8] = __bfloat162float(ss[s1]) * kF16BiasedUnit;
+          }
+        }
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -598,8 +600,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
           const GroupedTile t = tile_of(it / stages_per_tile);
           static_assert(Cfg::kSplitBytes >= kTileM * kTileN * 4, "park holds the tile's sums");
           const bool leader = split_k_promote<SPLIT, WARPS_K, MF, NF, kTileM, kTileN, kThreads>(
-              acc, split_q, park, slice, groups, t, p, [&](int r) { return b_scale_row<kAct, kTileM>(p, t, r); },
-              warp_m, warp_n, warp_k, gid, tig, tid);
+              acc, split_q, park, slice, groups, t, p.n, warp_m, warp_n, warp_k, gid, tig, tid);
           if (!leader) continue;  // uniform per CTA
           k0 = warp_k == 0;
         } else {

@@ -12,15 +12,18 @@
 // partial sums of K slices would change the rounding.
 //
 // How: a thread-block cluster of SPLIT CTAs shares each tile; CTA `rank` computes Q_g of the groups
-// [rank * slice, (rank + 1) * slice), slice = ceil(groups / SPLIT), and keeps them in its shared memory
-// (no promotion; its stages need not start at a multiple of GPS). At the end of the tile the cluster
-// synchronizes; every thread of every CTA then takes output elements (token, row) of the tile, reads
-// their Q_g from the owning CTAs through distributed shared memory and runs exactly the chains above
-// (same FMAs, same order, the scales from global memory / L2), and writes the sum into the leader's
-// `park`; a second cluster barrier frees the slices, the leader's k = 0 warps load their fragments
-// from `park` and run the usual epilogue. No global workspace, no counters.
-// Costs: the Q buffer (kSplitMaxGroups x TILE_N x (TILE_M + 4) fp32 per CTA; the 4-float pad keeps the
-// fragment stores free of bank conflicts) and the promotion (groups FMAs per output element).
+// [rank * slice, (rank + 1) * slice), slice = ceil(groups / SPLIT) (rounded up to a multiple of 4 with
+// packed-4 scales, so that its stages stay on the 512-K blocks its scale copies read), and keeps Q_g
+// and the group scales of its rows (fp32, exactly the unsplit kernel's value) in its shared memory: no
+// promotion. At the end of the tile the cluster synchronizes; every thread of every CTA then takes
+// output elements (token, row), reads their Q_g and scales from the owning CTAs through distributed
+// shared memory (16 groups' loads issued together) and runs exactly the chains above (same FMAs, same
+// order), and writes the sum into the leader's `park`; a second cluster barrier frees the slices, the
+// leader's k = 0 warps load their fragments from `park` and run the usual epilogue. No global
+// workspace, no counters.
+// Costs: per CTA kSplitMaxGroups x (TILE_N x (TILE_M + 4) + TILE_M) fp32 of shared memory (the 4-float
+// pad keeps the fragment stores free of bank conflicts), two cluster barriers per tile (each also a
+// GPU-scope fence), and ceil(groups / 16) distributed-shared-memory round trips per output element.
 // Limit: slice <= kSplitMaxGroups (so K <= SPLIT * 2048).
 #pragma once
 
@@ -34,19 +37,23 @@
 
 namespace qmoe::cuda {
 
-constexpr int kSplitMaxGroups = 16;  // K groups of one CTA's slice: sizes its Q buffer
+constexpr int kSplitMaxGroups = 16;  // K groups of one CTA's slice: sizes its buffers
 // NOTE: src/tune/tactics.cpp offers a split tactic only for K <= split_k * kSplitMaxGroups * 128.
 
-// Q buffer layout: q[g - g_begin][token][row], token stride TILE_M + 4 floats.
+// The buffers after the K warps' park: q[g - g_begin][token][row] (token stride TILE_M + 4 floats), then
+// s[g - g_begin][row] (the fp32 group scales x 2^24 of the tile's rows).
 template <int TILE_M>
 constexpr int split_q_token_stride() { return TILE_M + 4; }
 template <int TILE_M, int TILE_N>
-constexpr int split_q_bytes() { return kSplitMaxGroups * TILE_N * split_q_token_stride<TILE_M>() * 4; }
+constexpr int split_q_floats() { return kSplitMaxGroups * TILE_N * split_q_token_stride<TILE_M>(); }
+template <int TILE_M, int TILE_N>
+constexpr int split_smem_bytes() { return (split_q_floats<TILE_M, TILE_N>() + kSplitMaxGroups * TILE_M) * 4; }
 
 // K groups of one CTA's slice.
 template <int SPLIT>
-__host__ __device__ __forceinline__ int split_slice_groups(int groups) {
-  return (groups + SPLIT - 1) / SPLIT;
+__host__ __device__ __forceinline__ int split_slice_groups(int groups, bool scales_packed4) {
+  const int slice = (groups + SPLIT - 1) / SPLIT;
+  return scales_packed4 ? (slice + 3) / 4 * 4 : slice;
 }
 
 // This CTA's share of a split grid (unused when SPLIT == 1).
@@ -60,10 +67,10 @@ struct SplitSlice {
 };
 
 template <int SPLIT>
-__device__ __forceinline__ SplitSlice split_slice(int groups, int total_tiles) {
+__device__ __forceinline__ SplitSlice split_slice(int groups, bool scales_packed4, int total_tiles) {
   SplitSlice s;
   if constexpr (SPLIT > 1) {
-    s.groups = split_slice_groups<SPLIT>(groups);
+    s.groups = split_slice_groups<SPLIT>(groups, scales_packed4);
     // 1-D grid of 1-D clusters: cluster = SPLIT consecutive CTAs, rank = blockIdx.x % SPLIT.
     s.g_begin = static_cast<int>(cooperative_groups::this_cluster().block_rank()) * s.groups;
     s.g_end = min(groups, s.g_begin + s.groups);
@@ -74,67 +81,75 @@ __device__ __forceinline__ SplitSlice split_slice(int groups, int total_tiles) {
   return s;
 }
 
+// Distributed shared memory: `local` (a shared address of this CTA) in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t cluster_address(uint32_t local, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ float load_cluster(uint32_t address) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(address));
+  return v;
+}
+__device__ __forceinline__ void store_cluster(uint32_t address, float v) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(address), "f"(v) : "memory");
+}
+
 // Every thread of every CTA of the cluster calls it at the end of each tile (two cluster barriers).
-// q_local: this CTA's Q buffer; park_local: its TILE_M x TILE_N floats of park (the same offset in
-// every CTA). On the leader (returns true) the k = 0 warps get in acc exactly what the unsplit
-// kernel's K warps meet with; the caller then runs the epilogue there. scale_row(r): the weight row
-// whose group scales tile row r uses. WARPS_K = 2: warp k of the unsplit kernel sums the groups g = k
-// (mod 2).
-template <int SPLIT, int WARPS_K, int MF, int NF, int TILE_M, int TILE_N, int THREADS, class Params, class ScaleRow>
+// q_local: this CTA's buffers (split_smem_bytes); park_local: its TILE_M x TILE_N floats of park (the
+// same offset in every CTA). On the leader (returns true) the k = 0 warps get in acc exactly what the
+// unsplit kernel's K warps meet with; the caller then runs the epilogue there. WARPS_K = 2: warp k of
+// the unsplit kernel sums the groups g = k (mod 2), from +0, g increasing; then acc0 + acc1.
+template <int SPLIT, int WARPS_K, int MF, int NF, int TILE_M, int TILE_N, int THREADS>
 __device__ __forceinline__ bool split_k_promote(float (&acc)[MF][NF][4], const float* q_local, float* park_local,
-                                                const SplitSlice& slice, int groups, const GroupedTile& t,
-                                                const Params& p, ScaleRow scale_row, int warp_m, int warp_n,
-                                                int warp_k, int gid, int tig, int tid) {
+                                                const SplitSlice& slice, int groups, const GroupedTile& t, int n,
+                                                int warp_m, int warp_n, int warp_k, int gid, int tig, int tid) {
   static_assert(WARPS_K == 2, "the promotion keeps the two K warps' chains (even and odd groups)");
   namespace cg = cooperative_groups;
   constexpr int kStride = split_q_token_stride<TILE_M>();
-  constexpr int kGroupFloats = TILE_N * kStride;
+  constexpr int kBatch = kSplitMaxGroups;  // loads in flight per thread
   cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every CTA's Q of this tile is written (release / acquire at cluster scope)
+  cluster.sync();  // every CTA's Q and scales of this tile are written (release / acquire, cluster scope)
   const int rank = static_cast<int>(cluster.block_rank());
-  float* leader_park = cluster.map_shared_rank(park_local, 0);
-  const int groups_per_kb = p.k / 512;
+  const uint32_t q_base = static_cast<uint32_t>(__cvta_generic_to_shared(q_local));
+  const uint32_t s_base = q_base + split_q_floats<TILE_M, TILE_N>() * 4;
+  const uint32_t park_base = static_cast<uint32_t>(__cvta_generic_to_shared(park_local));
   for (int e = rank * THREADS + tid; e < TILE_M * TILE_N; e += SPLIT * THREADS) {
     const int token = e / TILE_M, r = e % TILE_M;  // consecutive threads: consecutive rows
     float even = 0.f, odd = 0.f;                   // the k = 0 and k = 1 warps' chains
-    if (token < t.rows && t.n0 + r < p.n) {
-      const int64_t wrow = scale_row(r);
-      const __nv_bfloat16* srow =
-          p.scales_packed4 ? p.b_scales + static_cast<int64_t>(t.expert) * groups_per_kb * 4 * p.n + 4 * wrow
-                           : p.b_scales + static_cast<int64_t>(t.expert) * groups * p.n + wrow;
-#pragma unroll 1
-      for (int owner = 0; owner < SPLIT; ++owner) {
-        const int g_lo = owner * slice.groups;
-        const int n = min(groups - g_lo, slice.groups);
-        if (n <= 0) break;
-        const float* q = cluster.map_shared_rank(q_local, owner) + token * kStride + r;
-        // All of a slice's loads first (independent), then the chains in g order.
-        float qv[kSplitMaxGroups], sv[kSplitMaxGroups];
+    if (token < t.rows && t.n0 + r < n) {
+      int owner = 0, j = 0;  // group g = owner * slice.groups + j
+      for (int base = 0; base < groups; base += kBatch) {
+        float qv[kBatch], sv[kBatch];
 #pragma unroll
-        for (int j = 0; j < kSplitMaxGroups; ++j) {
-          if (j < n) {
-            const int g = g_lo + j;
-            qv[j] = q[j * kGroupFloats];
-            const __nv_bfloat16 sb = p.scales_packed4 ? srow[static_cast<int64_t>(g >> 2) * 4 * p.n + (g & 3)]
-                                                      : srow[static_cast<int64_t>(g) * p.n];
-            sv[j] = __bfloat162float(sb) * kF16BiasedUnit;
+        for (int b = 0; b < kBatch; ++b) {
+          const bool ok = base + b < groups;  // past the end: a harmless load of group slot 0, unused
+          const uint32_t jq = ok ? static_cast<uint32_t>((j * TILE_N + token) * kStride + r) : 0u;
+          const uint32_t js = ok ? static_cast<uint32_t>(j * TILE_M + r) : 0u;
+          const uint32_t who = ok ? static_cast<uint32_t>(owner) : 0u;
+          qv[b] = load_cluster(cluster_address(q_base + 4 * jq, who));
+          sv[b] = load_cluster(cluster_address(s_base + 4 * js, who));
+          if (++j == slice.groups) {
+            j = 0;
+            ++owner;
           }
         }
 #pragma unroll
-        for (int j = 0; j < kSplitMaxGroups; ++j) {
-          if (j < n) {
-            if (((g_lo + j) & 1) == 0) {
-              even = fmaf(sv[j], qv[j], even);
+        for (int b = 0; b < kBatch; ++b) {
+          if (base + b < groups) {
+            if (((base + b) & 1) == 0) {
+              even = fmaf(sv[b], qv[b], even);
             } else {
-              odd = fmaf(sv[j], qv[j], odd);
+              odd = fmaf(sv[b], qv[b], odd);
             }
           }
         }
       }
     }
-    leader_park[token * TILE_M + r] = even + odd;  // the K warps' meeting: acc(k = 0) += acc(k = 1)
+    store_cluster(cluster_address(park_base + 4 * static_cast<uint32_t>(token * TILE_M + r), 0u), even + odd);
   }
-  cluster.sync();  // every sum is in the leader's park; the CTAs may overwrite their Q (next tile) or exit
+  cluster.sync();  // every sum is in the leader's park; the CTAs may overwrite their buffers or exit
   const bool leader = rank == 0;
   if (leader && warp_k == 0) {
 #pragma unroll
