@@ -56,7 +56,7 @@ const std::vector<Tactic>& compiled() {
 // Split-K tactics (src/cuda/gemm/split_k.cuh: a cluster of split_k CTAs shares each tile's K groups,
 // same bits as the unsplit mma.sync tiles). Not yet timed on a GPU: valid only when
 // QMOE_SPLIT_K_TACTICS=1 (read per call), and never the heuristic's choice. Limit: a CTA's slice of
-// ceil(K / 128 / split_k) groups (rounded up to 4 with packed-4 scales) holds at most 16 (split_k.cuh
+// ceil(K / 128 / split_k) groups holds at most 16 (split_k.cuh
 // kSplitMaxGroups): K <= split_k * 2048 (s4: 8192, s8: 16384, Mixtral's 14336).
 const std::vector<Tactic>& compiled_split_k() {
   static const std::vector<Tactic> list = {make(Family::kDecode, 64, 8, 512, 4), make(Family::kDecode, 64, 8, 512, 8)};

@@ -89,7 +89,7 @@ def test_split_gemm_same_bits_as_unsplit(case, per_row):
 
 
 def test_split_tactic_refused_past_its_k_limit():
-    """K = 8320 (65 groups): an s4 slice would need 20 groups > 16, so s4 is not offered and forcing it
+    """K = 8320 (65 groups): an s4 slice would need 17 groups > 16, so s4 is not offered and forcing it
     raises before any launch; K = 16512 (129 groups) is past s8's limit too."""
     assert SPLITS[0] not in qmoe.valid_tactics(128, 8320, 4, 2) and SPLITS[1] in qmoe.valid_tactics(128, 8320, 4, 2)
     with pytest.raises(ValueError, match="tactic"):

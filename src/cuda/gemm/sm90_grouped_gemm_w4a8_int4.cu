@@ -62,9 +62,9 @@ void launch_split(const W4A8ParamsOf<OutT>& params, int64_t rows, int device, cu
   using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K>;
   constexpr auto kernel =
       sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K, MIN_BLOCKS, SPLIT>;
-  constexpr int kSmem = Cfg::kSmemBytes + split_smem_bytes<Cfg::kTileM, Cfg::kTileN>();
+  constexpr int kSmem = Cfg::kSmemBytes + split_smem_bytes<Cfg::kTileM, Cfg::kTileN, STAGES>();
   // valid_tactics offers the tactic only where a slice fits the Q buffer; a caller bug otherwise.
-  const int slice_groups = split_slice_groups<SPLIT>(params.k / w4a8::kGroup, params.scales_packed4 != 0);
+  const int slice_groups = split_slice_groups<SPLIT>(params.k / w4a8::kGroup);
   QMOE_CHECK_ARG(slice_groups <= kSplitMaxGroups, "tactic",
                  "a split-K tactic only for K <= " + std::to_string(SPLIT * kSplitMaxGroups * w4a8::kGroup),
                  "K = " + std::to_string(params.k));
@@ -243,7 +243,7 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   } else if (is(Family::kDecode, 64, 32, 512)) {
     launch<4, 1, 1, 4, 4, 3, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (split_m64_n8(tactic) == 4) {
-    // The m64 n8 tile with 3 stages (its 32 KB of group sums keep two CTAs per SM), clusters of 4 / 8.
+    // The m64 n8 tile with 3 stages (its 41 KB of group sums, scales and scale blocks keep two CTAs per SM), clusters of 4 / 8.
     if (fp32_out)
       launch_split<float, 2, 1, 2, 1, 4, 3, 2, 2, 4>(params, rows, device, stream);
     else

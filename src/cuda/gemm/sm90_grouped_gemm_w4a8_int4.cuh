@@ -284,6 +284,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   uint8_t* stages = smem + Cfg::kTileStartBytes;
   // Split-K only: the group sums and scales (split_k.cuh, split_smem_bytes), after the K warps' park.
   float* split_q = reinterpret_cast<float*>(stages + STAGES * Cfg::kStageBytes + Cfg::kSplitBytes);
+  uint8_t* split_scale_stage = reinterpret_cast<uint8_t*>(split_q) + split_buffer_bytes<kTileM, kTileN>();
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -295,7 +296,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   // changed the register allocation of two unsplit kernels. if constexpr below for the same reason.)
   const int stages_per_tile = [&] {
     if constexpr (SPLIT > 1) {
-      return (split_slice_groups<SPLIT>(groups, p.scales_packed4) + GPS - 1) / GPS;
+      return (split_slice_groups<SPLIT>(groups) + GPS - 1) / GPS;
     } else {
       return (groups + GPS - 1) / GPS;
     }
@@ -307,7 +308,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       cta_tiles<kThreads, kTileM, kTileN>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
   // Split-K (SPLIT > 1, split_k.cuh): a cluster of SPLIT CTAs shares each tile, CTA `rank` takes the
   // K groups [g_begin, g_begin + slice_groups); cluster c takes tiles c, c + clusters, ...
-  const SplitSlice slice = split_slice<SPLIT>(groups, p.scales_packed4, tiles.total);
+  const SplitSlice slice = split_slice<SPLIT>(groups, tiles.total);
   if constexpr (SPLIT > 1) {
     if (slice.tile_count == 0) return;  // the whole cluster (no cluster barrier is pending)
   } else {
@@ -387,8 +388,10 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       if (p.scales_packed4) {
         // 8 bytes (the 4 groups of a 512 block) per feature row: one 16-byte copy = 2 rows of
         // block `bi` of the stage.
+        // (Split-K: a stage may start inside a block, so it copies 2 blocks, into split_scale_stage.)
+        constexpr int kBlocks = SPLIT > 1 ? 2 : Cfg::kScaleBlocks;
         const int bi = tid / (kTileM / 2), c = tid % (kTileM / 2);
-        s_valid = tid < Cfg::kScaleBlocks * kTileM / 2 && t.n0 + 2 * c < p.n;
+        s_valid = tid < kBlocks * kTileM / 2 && t.n0 + 2 * c < p.n;
         s_src = p.b_scales + (static_cast<int64_t>(t.expert) * groups_per_kb + bi) * 4 * p.n + 4 * weight_row(2 * c);
       } else {
         // GPS slices of TILE_M scales (one per group): one 16-byte copy = 8 rows of one group.
@@ -430,7 +433,15 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       cp_async_16(sa + r * kTileK + (swizzle_a(a_chunk, r) << 4), src, valid);
     }
     if (p.scales_packed4) {
-      if (tid < Cfg::kScaleBlocks * kTileM / 2) {
+      if constexpr (SPLIT > 1) {
+        // Blocks g0 / 4 and g0 / 4 + 1, each when it holds a group of this stage.
+        if (tid < kTileM) {
+          const int block = g0 / 4 + tid / (kTileM / 2);
+          const bool valid = s_valid && valid_groups > 0 && block * 4 < g0 + valid_groups;
+          const __nv_bfloat16* src = valid ? s_src + static_cast<int64_t>(g0 / 4) * 4 * p.n : p.b_scales;
+          cp_async_16(split_scale_stage + stage * split_scale_stage_bytes<kTileM>() + tid * 16, src, valid);
+        }
+      } else if (tid < Cfg::kScaleBlocks * kTileM / 2) {
         const bool valid = s_valid && (tid / (kTileM / 2)) * 4 < valid_groups;
         const __nv_bfloat16* src = valid ? s_src + static_cast<int64_t>(g0 / 4) * 4 * p.n : p.b_scales;
         cp_async_16(ss + tid * 16, src, valid);
@@ -553,10 +564,16 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) {
             const int r = (warp_m * MF + mf) * 16 + gid;
-            const int s0 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + r * 4 + (g & 3) : gg * kTileM + r;
-            const int s1 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + (r + 8) * 4 + (g & 3) : gg * kTileM + r + 8;
-            sc[r] = __bfloat162float(ss[s0]) * kF16BiasedUnit;
-            sc[r + 8] = __bfloat162float(ss[s1]) * kF16BiasedUnit;
+            // packed-4: the stage's blocks start at block (g0 / 4) (split_scale_stage); packed-1: ss.
+            const __nv_bfloat16* blocks = reinterpret_cast<const __nv_bfloat16*>(
+                split_scale_stage + (it % STAGES) * split_scale_stage_bytes<kTileM>());
+            const int b = g / 4 - (g_first + s * GPS) / 4;
+            const float s0 = p.scales_packed4 ? __bfloat162float(blocks[b * kTileM * 4 + r * 4 + (g & 3)])
+                                              : __bfloat162float(ss[gg * kTileM + r]);
+            const float s1 = p.scales_packed4 ? __bfloat162float(blocks[b * kTileM * 4 + (r + 8) * 4 + (g & 3)])
+                                              : __bfloat162float(ss[gg * kTileM + r + 8]);
+            sc[r] = s0 * kF16BiasedUnit;
+            sc[r + 8] = s1 * kF16BiasedUnit;
           }
         }
 #pragma unroll

@@ -12,17 +12,16 @@
 // partial sums of K slices would change the rounding.
 //
 // How: a thread-block cluster of SPLIT CTAs shares each tile; CTA `rank` computes Q_g of the groups
-// [rank * slice, (rank + 1) * slice), slice = ceil(groups / SPLIT) (rounded up to a multiple of 4 with
-// packed-4 scales, so that its stages stay on the 512-K blocks its scale copies read), and keeps Q_g
-// and the group scales of its rows (fp32, exactly the unsplit kernel's value) in its shared memory: no
-// promotion. At the end of the tile the cluster synchronizes; every thread of every CTA then takes
+// [rank * slice, (rank + 1) * slice), slice = ceil(groups / SPLIT) (its stages may start inside a
+// 512-K block of packed-4 scales: they copy two blocks), and keeps Q_g and the group scales of its rows
+// (fp32, exactly the unsplit kernel's value) in its shared memory: no promotion. At the end of the tile the cluster synchronizes; every thread of every CTA then takes
 // output elements (token, row), reads their Q_g and scales from the owning CTAs through distributed
 // shared memory (16 groups' loads issued together) and runs exactly the chains above (same FMAs, same
 // order), and writes the sum into the leader's `park`; a second cluster barrier frees the slices, the
 // leader's k = 0 warps load their fragments from `park` and run the usual epilogue. No global
 // workspace, no counters.
 // Costs: per CTA kSplitMaxGroups x (TILE_N x (TILE_M + 4) + TILE_M) fp32 of shared memory (the 4-float
-// pad keeps the fragment stores free of bank conflicts), two cluster barriers per tile (each also a
+// pad keeps the fragment stores free of bank conflicts) plus 2 scale blocks per stage, two cluster barriers per tile (each also a
 // GPU-scope fence), and ceil(groups / 16) distributed-shared-memory round trips per output element.
 // Limit: slice <= kSplitMaxGroups (so K <= SPLIT * 2048).
 #pragma once
@@ -47,13 +46,18 @@ constexpr int split_q_token_stride() { return TILE_M + 4; }
 template <int TILE_M, int TILE_N>
 constexpr int split_q_floats() { return kSplitMaxGroups * TILE_N * split_q_token_stride<TILE_M>(); }
 template <int TILE_M, int TILE_N>
-constexpr int split_smem_bytes() { return (split_q_floats<TILE_M, TILE_N>() + kSplitMaxGroups * TILE_M) * 4; }
+constexpr int split_buffer_bytes() { return (split_q_floats<TILE_M, TILE_N>() + kSplitMaxGroups * TILE_M) * 4; }
+// Then, per pipeline stage, the packed-4 scales of two 512-K blocks (a stage of 4 groups may start
+// inside a block): 2 x TILE_M x 4 bf16.
+template <int TILE_M>
+constexpr int split_scale_stage_bytes() { return 2 * TILE_M * 8; }
+template <int TILE_M, int TILE_N, int STAGES>
+constexpr int split_smem_bytes() { return split_buffer_bytes<TILE_M, TILE_N>() + STAGES * split_scale_stage_bytes<TILE_M>(); }
 
 // K groups of one CTA's slice.
 template <int SPLIT>
-__host__ __device__ __forceinline__ int split_slice_groups(int groups, bool scales_packed4) {
-  const int slice = (groups + SPLIT - 1) / SPLIT;
-  return scales_packed4 ? (slice + 3) / 4 * 4 : slice;
+__host__ __device__ __forceinline__ int split_slice_groups(int groups) {
+  return (groups + SPLIT - 1) / SPLIT;
 }
 
 // This CTA's share of a split grid (unused when SPLIT == 1).
@@ -67,10 +71,10 @@ struct SplitSlice {
 };
 
 template <int SPLIT>
-__device__ __forceinline__ SplitSlice split_slice(int groups, bool scales_packed4, int total_tiles) {
+__device__ __forceinline__ SplitSlice split_slice(int groups, int total_tiles) {
   SplitSlice s;
   if constexpr (SPLIT > 1) {
-    s.groups = split_slice_groups<SPLIT>(groups, scales_packed4);
+    s.groups = split_slice_groups<SPLIT>(groups);
     // 1-D grid of 1-D clusters: cluster = SPLIT consecutive CTAs, rank = blockIdx.x % SPLIT.
     s.g_begin = static_cast<int>(cooperative_groups::this_cluster().block_rank()) * s.groups;
     s.g_end = min(groups, s.g_begin + s.groups);
@@ -89,7 +93,7 @@ __device__ __forceinline__ uint32_t cluster_address(uint32_t local, uint32_t ran
 }
 __device__ __forceinline__ float load_cluster(uint32_t address) {
   float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(address));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(address) : "memory");
   return v;
 }
 __device__ __forceinline__ void store_cluster(uint32_t address, float v) {
@@ -124,10 +128,10 @@ __device__ __forceinline__ bool split_k_promote(float (&acc)[MF][NF][4], const f
         float qv[kBatch], sv[kBatch];
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-          const bool ok = base + b < groups;  // past the end: a harmless load of group slot 0, unused
+          const bool ok = base + b < groups;  // past the end: a harmless load of slot 0 here, unused
           const uint32_t jq = ok ? static_cast<uint32_t>((j * TILE_N + token) * kStride + r) : 0u;
           const uint32_t js = ok ? static_cast<uint32_t>(j * TILE_M + r) : 0u;
-          const uint32_t who = ok ? static_cast<uint32_t>(owner) : 0u;
+          const uint32_t who = static_cast<uint32_t>(ok ? owner : rank);  // past the end: this CTA
           qv[b] = load_cluster(cluster_address(q_base + 4 * jq, who));
           sv[b] = load_cluster(cluster_address(s_base + 4 * js, who));
           if (++j == slice.groups) {
