@@ -81,11 +81,7 @@ void launch_split(const W4A8ParamsOf<OutT>& params, int64_t rows, int device, cu
     config.gridDim = dim3(SPLIT * sms);
     config.blockDim = dim3(Cfg::kThreads);
     config.dynamicSmemBytes = kSmem;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim.x = SPLIT;
-    attribute[0].val.clusterDim.y = 1;
-    attribute[0].val.clusterDim.z = 1;
+    cudaLaunchAttribute attribute[1] = {cluster_attribute(SPLIT)};
     config.attrs = attribute;
     config.numAttrs = 1;
     check_cuda(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), what);

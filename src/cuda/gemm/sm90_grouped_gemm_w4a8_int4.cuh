@@ -576,16 +576,9 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
             sc[r + 8] = s1 * kF16BiasedUnit;
           }
         }
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-          for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              const int r = (warp_m * MF + mf) * 16 + gid + 8 * (c >> 1);
-              const int token = (warp_n * NF + nf) * 8 + tig * 2 + (c & 1);
-              q[token * kQStride + r] = part[mf][nf][c] + bias[nf][c];
-            }
+        for_each_fragment_element<MF, NF>(warp_m, warp_n, gid, tig, [&](int mf, int nf, int c, int r, int token) {
+          q[token * kQStride + r] = part[mf][nf][c] + bias[nf][c];
+        });
       } else {
         // Group promotion: acc += S[row, g] * P, P = 2^24 * (part + bias) (fp32, g increasing).
 #pragma unroll

@@ -85,6 +85,19 @@ __device__ __forceinline__ SplitSlice split_slice(int groups, int total_tiles) {
   return s;
 }
 
+// f(mf, nf, c, r, token) for every accumulator element of a warp's mma.sync fragments: element c of
+// fragment (mf, nf) holds tile row r and token (m16n8 C layout: rows gid, gid + 8; tokens 2 tig, + 1).
+template <int MF, int NF, class F>
+__device__ __forceinline__ void for_each_fragment_element(int warp_m, int warp_n, int gid, int tig, F f) {
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        f(mf, nf, c, (warp_m * MF + mf) * 16 + gid + 8 * (c >> 1), (warp_n * NF + nf) * 8 + tig * 2 + (c & 1));
+}
+
 // Distributed shared memory: `local` (a shared address of this CTA) in CTA `rank` of the cluster.
 __device__ __forceinline__ uint32_t cluster_address(uint32_t local, uint32_t rank) {
   uint32_t remote;
@@ -156,16 +169,9 @@ __device__ __forceinline__ bool split_k_promote(float (&acc)[MF][NF][4], const f
   cluster.sync();  // every sum is in the leader's park; the CTAs may overwrite their buffers or exit
   const bool leader = rank == 0;
   if (leader && warp_k == 0) {
-#pragma unroll
-    for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-      for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int r = (warp_m * MF + mf) * 16 + gid + 8 * (c >> 1);
-          const int token = (warp_n * NF + nf) * 8 + tig * 2 + (c & 1);
-          acc[mf][nf][c] = park_local[token * TILE_M + r];
-        }
+    for_each_fragment_element<MF, NF>(warp_m, warp_n, gid, tig, [&](int mf, int nf, int c, int r, int token) {
+      acc[mf][nf][c] = park_local[token * TILE_M + r];
+    });
   }
   return leader;
 }
