@@ -239,7 +239,8 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   } else if (is(Family::kDecode, 64, 32, 512)) {
     launch<4, 1, 1, 4, 4, 3, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (split_m64_n8(tactic) == 4) {
-    // The m64 n8 tile with 3 stages (its 41 KB of group sums, scales and scale blocks keep two CTAs per SM), clusters of 4 / 8.
+    // The m64 n8 tile with 3 stages (with its 41 KB of group sums, scales and scale blocks, two CTAs per
+    // SM), clusters of 4 / 8.
     if (fp32_out)
       launch_split<float, 2, 1, 2, 1, 4, 3, 2, 2, 4>(params, rows, device, stream);
     else

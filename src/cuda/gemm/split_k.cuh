@@ -12,17 +12,18 @@
 // partial sums of K slices would change the rounding.
 //
 // How: a thread-block cluster of SPLIT CTAs shares each tile; CTA `rank` computes Q_g of the groups
-// [rank * slice, (rank + 1) * slice), slice = ceil(groups / SPLIT) (its stages may start inside a
-// 512-K block of packed-4 scales: they copy two blocks), and keeps Q_g and the group scales of its rows
-// (fp32, exactly the unsplit kernel's value) in its shared memory: no promotion. At the end of the tile the cluster synchronizes; every thread of every CTA then takes
-// output elements (token, row), reads their Q_g and scales from the owning CTAs through distributed
-// shared memory (16 groups' loads issued together) and runs exactly the chains above (same FMAs, same
-// order), and writes the sum into the leader's `park`; a second cluster barrier frees the slices, the
-// leader's k = 0 warps load their fragments from `park` and run the usual epilogue. No global
-// workspace, no counters.
+// [rank * slice, (rank + 1) * slice), slice = ceil(groups / SPLIT) (its stages may start inside a 512-K
+// block of packed-4 scales: they copy two blocks), and keeps Q_g and the group scales of its rows (fp32,
+// exactly the unsplit kernel's value) in its shared memory: no promotion. At the end of the tile the
+// cluster synchronizes; every thread of every CTA then takes output elements (token, row), reads their
+// Q_g and scales from the owning CTAs through distributed shared memory (16 groups' loads issued
+// together) and runs exactly the chains above (same FMAs, same order), and writes the sum into the
+// leader's `park`; a second cluster barrier frees the slices, the leader's k = 0 warps load their
+// fragments from `park` and run the usual epilogue. No global workspace, no counters.
 // Costs: per CTA kSplitMaxGroups x (TILE_N x (TILE_M + 4) + TILE_M) fp32 of shared memory (the 4-float
-// pad keeps the fragment stores free of bank conflicts) plus 2 scale blocks per stage, two cluster barriers per tile (each also a
-// GPU-scope fence), and ceil(groups / 16) distributed-shared-memory round trips per output element.
+// pad keeps the fragment stores free of bank conflicts) plus 2 scale blocks per stage; two cluster
+// barriers per tile (each also a GPU-scope fence); ceil(groups / 16) distributed-shared-memory round
+// trips per output element.
 // Limit: slice <= kSplitMaxGroups (so K <= SPLIT * 2048).
 #pragma once
 
@@ -52,7 +53,9 @@ constexpr int split_buffer_bytes() { return (split_q_floats<TILE_M, TILE_N>() + 
 template <int TILE_M>
 constexpr int split_scale_stage_bytes() { return 2 * TILE_M * 8; }
 template <int TILE_M, int TILE_N, int STAGES>
-constexpr int split_smem_bytes() { return split_buffer_bytes<TILE_M, TILE_N>() + STAGES * split_scale_stage_bytes<TILE_M>(); }
+constexpr int split_smem_bytes() {
+  return split_buffer_bytes<TILE_M, TILE_N>() + STAGES * split_scale_stage_bytes<TILE_M>();
+}
 
 // K groups of one CTA's slice.
 template <int SPLIT>
