@@ -28,11 +28,9 @@
 #pragma once
 
 #include <cooperative_groups.h>
-#include <cuda_bf16.h>
 
 #include <cstdint>
 
-#include "cuda/common/int4_to_f16.cuh"  // kF16BiasedUnit
 #include "cuda/gemm/grouped_tile_list.cuh"
 
 namespace qmoe::cuda {
