@@ -380,15 +380,16 @@ def test_wrapper_preallocated_graphs_for_two_token_counts(mode, fused_finalize):
 
 
 @pytest.mark.parametrize("mode,gemm_pdl", [("w4a8_int4", "default"), ("w4a8_int4", "gemms_off"),
-                                            ("w4a4", "default"), ("w4a16", "default")])
+                                            ("w4a8_int4", "gemms_on"), ("w4a4", "default"), ("w4a16", "default")])
 @pytest.mark.parametrize("tokens", [1, 37, 300])
 def test_pdl_gives_the_same_bits(mode, gemm_pdl, tokens, monkeypatch):
     """enable_pdl=True (programmatic dependent launch between the pipeline's kernels) changes only
     the scheduling: eager and graph-replayed results equal the plain launches bit for bit.
-    gemms_off: QMOE_PDL_GEMMS=0 (read by the w4a8_int4 pipeline), its GEMMs launched in stream order
-    between dependent glue kernels."""
-    if gemm_pdl == "gemms_off":
-        monkeypatch.setenv("QMOE_PDL_GEMMS", "0")
+    The w4a8_int4 pipeline gives its GEMMs the attribute only at few tokens by default; QMOE_PDL_GEMMS
+    forces it: gemms_off (=0) launches them in stream order between dependent glue kernels, gemms_on
+    (=1) as dependents at every T."""
+    if gemm_pdl != "default":
+        monkeypatch.setenv("QMOE_PDL_GEMMS", "0" if gemm_pdl == "gemms_off" else "1")
     case = on_device(testing.make_fused_moe_case(mode, tokens, 512, 256, 16, 4, seed=50 + tokens))
     plain = qmoe.fused_moe(**case, deterministic=True)
     with_pdl = qmoe.fused_moe(**case, deterministic=True, enable_pdl=True)

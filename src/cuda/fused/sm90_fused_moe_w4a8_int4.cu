@@ -59,13 +59,18 @@ bool fused_epilogue_allowed() {
   return v == nullptr || !(v[0] == '0' && v[1] == '\0');
 }
 
-// QMOE_PDL_GEMMS=0 (an A/B switch, read per call like QMOE_FUSED_EPILOGUE) launches the two GEMMs
-// without the PDL attribute while the glue kernels keep it when enable_pdl is on. Why: PDL made
-// T = 1 2-8% faster but T = 8 / 64 up to 5% slower (bench/results/2026-11-30_s8a_nvidia_h200_pdl_ab.md);
-// a GEMM launched as a dependent may take its SMs later than one launched in stream order.
-bool gemm_pdl_allowed() {
+// Whether the two GEMMs get the PDL attribute (the glue kernels keep it whenever enable_pdl is on).
+// PDL made the layer 1.5-4% faster at T = 1 but up to 6% (T = 8) and 12% (Mixtral, T = 64) slower
+// at larger T (bench/results/2026-11-30_s10a_nvidia_h200_split_k_pdl.md): a GEMM launched as a
+// dependent holds SMs early, waiting, that its predecessor's later CTAs could use. So by default only
+// up to kGemmPdlMaxTokens tokens. QMOE_PDL_GEMMS=0 / =1 force it off / on (A/B timing; read per
+// call like QMOE_FUSED_EPILOGUE, a getenv: cheap and legal during stream capture).
+constexpr int64_t kGemmPdlMaxTokens = 4;
+
+bool gemm_pdl_wanted(int64_t tokens) {
   const char* v = std::getenv("QMOE_PDL_GEMMS");
-  return v == nullptr || !(v[0] == '0' && v[1] == '\0');
+  if (v != nullptr && v[0] != '\0' && v[1] == '\0' && (v[0] == '0' || v[0] == '1')) return v[0] == '1';
+  return tokens <= kGemmPdlMaxTokens;
 }
 
 }  // namespace
@@ -77,6 +82,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   const int device = p.x.device_index;
   DeviceGuard current(device);
   PdlScope pdl(p.enable_pdl);  // every launch of this call (cuda/common/pdl.cuh)
+  const bool gemm_pdl = p.enable_pdl && gemm_pdl_wanted(dims.tokens);
 
   const FusedMoeWorkspaceLayout layout =
       fused_moe_workspace_layout(dims.slots, dims.local, dims.hidden, dims.inter, dims.rows1);
@@ -126,7 +132,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     g.expert_offsets = device_tensor(rb.offsets, DType::kInt32, {dims.local}, device);
     g.problem_sizes = device_tensor(sizes, DType::kInt32, {dims.local, 3}, device);
     g.topk = dims.topk;
-    PdlScope gemm_pdl(p.enable_pdl && gemm_pdl_allowed());
+    PdlScope gemm_scope(gemm_pdl);
     w4a8_moe_mm(g, tactic, stream, sc);
   };
 
@@ -154,7 +160,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     ep.w2_alpha = p.w2_alpha ? p.w2_alpha->ptr<const float>() : nullptr;
     ep.inter = static_cast<int>(dims.inter);
     ep.act = act;
-    PdlScope gemm_pdl(p.enable_pdl && gemm_pdl_allowed());
+    PdlScope gemm_scope(gemm_pdl);
     w4a8_moe_mm_act_requant(g, gemm1_tactic, stream, ep);
   } else {
     // 5. GEMM1 into fp32 h.
