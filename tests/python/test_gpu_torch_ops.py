@@ -46,11 +46,13 @@ def _layer(ids, outs, a, b, s, a_scales, strides_k, strides_n, experts, n, k):
 @needs_hopper
 def test_opcheck_sglang_ops():
     ids, outs, a, b, s, a_scales, strides_k, strides_n, experts, n, k = _gemm_inputs("cuda")
+    for out in outs.values():  # opcheck clones the arguments: poisoned, not uninitialized (initcheck)
+        out.fill_(-1)
     torch.library.opcheck(torch.ops.qmoe.get_cutlass_w4a8_moe_mm_data.default,
                           (ids, *outs.values(), experts, n // 2, k))
     # opcheck may run the op on copies: fill the routing outputs the GEMM reads for real.
     torch.ops.qmoe.get_cutlass_w4a8_moe_mm_data(ids, *outs.values(), experts, n // 2, k)
-    d = torch.empty(a.shape[0], n, dtype=torch.bfloat16, device="cuda")
+    d = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
     # opcheck's schema and AOT checks do arithmetic on the inputs, which torch does not implement
     # for float8_e4m3fn ("mul_cuda not implemented"): check the fake implementation only.
     torch.library.opcheck(torch.ops.qmoe.cutlass_w4a8_moe_mm.default,
