@@ -102,6 +102,15 @@ bool log_enabled() {
 // pass 64 rows and need a second 64-token tile) and ties on DeepSeek-V3. So n128 above 48 rows.
 // The mma.sync prefill_m128_n64_k256 tile is no longer chosen (kept for forcing and tuning).
 constexpr int64_t kDecodeN8MaxRows = 4;
+// With many experts the n8 tile keeps winning a little further (tactic sweep, H200,
+// bench/results/2026-11-30_s7a_nvidia_h200_tactic_sweep.md): DeepSeek-V3 (256 experts) at 5 and 6
+// rows per expert, n8 vs n16: GEMM1 1065 vs 1428 us, 1232 vs 1416; GEMM2 589 vs 800, 629 vs 799; at 8
+// rows they tie (1417 vs 1395, 780 vs 797; Qwen3 128 experts: within 1-13% for n8). n16 costs twice
+// the MMAs per weight, n8 a second token tile for the experts past 8 rows; spread over many experts
+// the second tiles stay few. With 8 experts (Mixtral) n16 already wins at 8 rows (GEMM2 91 vs 133 us):
+// the slowest expert sets the time. Hence up to 7 rows from 64 experts on.
+constexpr int64_t kDecodeN8MaxRowsManyExperts = 7;
+constexpr int64_t kManyExperts = 64;
 constexpr int64_t kDecodeN16MaxRows = 16;
 constexpr int64_t kWgmmaN64MaxRows = 48;
 // Decode grids smaller than the GPU: with at most kDecodeN8MaxRows rows per expert, at most
@@ -146,7 +155,7 @@ Tactic select_tactic(const GemmProblem& problem) {
     t = rows_per_expert <= kDecodeN8MaxRows ? make(Family::kDecode, 128, 8, 256)
         : rows_per_expert <= 32             ? make(Family::kDecode, 128, 16, 256)
                                             : make(Family::kPrefill, 128, 64, 128);
-  } else if (rows_per_expert <= kDecodeN8MaxRows) {
+  } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     const int64_t hit = rows < experts ? rows : experts;
     const bool small_grid = rows > 0 && hit * ((problem.n + 127) / 128) < kHopperSms;
     t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);
