@@ -77,11 +77,16 @@ def _last_axis(x: np.ndarray, name: str, multiple: int) -> int:
 
 
 def _codes_u8(t, name: str) -> np.ndarray:
-    """1-byte code arrays (int8, uint8, float8_e4m3fn, float8_e8m0fnu) passed through as stored."""
+    """1-byte code arrays (int8, uint8, float8_e4m3fn, float8_e8m0fnu) passed through as stored. Other
+    1-byte dtypes (bool, float8_e5m2, ...) are refused: their bytes are not these codes."""
     t = _host(t, name)
-    if t.itemsize != 1:
-        raise TypeError(f"qmoe.quant: argument '{name}': expected a 1-byte dtype, got dtype {t.dtype}")
+    if t.dtype.name not in _CODE_DTYPES:
+        raise TypeError(f"qmoe.quant: argument '{name}': expected codes of dtype int8, uint8, float8_e4m3fn or "
+                        f"float8_e8m0fnu, got dtype {t.dtype}")
     return t
+
+
+_CODE_DTYPES = ("int8", "uint8", "float8_e4m3fn", "float8_e8m0fnu")
 
 
 # ------------------------------------------------------------------------------------------------

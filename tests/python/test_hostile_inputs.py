@@ -78,8 +78,7 @@ def _report_counts():
 class Entry:
     """One valid call. kw: the keyword arguments (arrays and scalars); outputs: names of the
     caller-owned output buffers; call(kw) -> dict of the results to compare; twin(kw) -> the same
-    dict from the numpy twin; names[arg]: the argument names an error about `arg` may use (the
-    compat layers report the native name, e.g. 'topk_ids' for FlashInfer's token_selected_experts);
+    dict from the numpy twin; names[arg]: other argument names an error about `arg` may use;
     accepted[arg]: dtypes that are legal for arg (never drawn as a "wrong dtype")."""
 
     def __init__(self, label, call, kw, outputs, twin, accepted, names=None, tol=0.0):
@@ -376,9 +375,9 @@ def fused_entry(mode, deterministic):
     return establish(Entry(f"fused_moe[{mode}]", call, kw, ("out",), twin, accepted, names, tol))
 
 
-FI_NAMES = {"x_sf": {"x_scale"}, "token_selected_experts": {"topk_ids"}, "token_final_scales": {"topk_weights"},
-            "w1_weight": {"w1"}, "w1_weight_sf": {"w1_scale"}, "w2_weight": {"w2"}, "w2_weight_sf": {"w2_scale"},
-            "moe_output": {"output", "out"}}
+# The FlashInfer entry names its own arguments (compat/flashinfer.py renames qmoe's native ones): no
+# aliases are accepted for it.
+FI_NAMES: dict = {}
 
 
 @functools.lru_cache(maxsize=None)

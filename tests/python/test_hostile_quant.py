@@ -2,7 +2,8 @@
 their outputs, so each mutated input must either raise a ValueError / TypeError naming it (input left
 as it was) or give exactly the numpy twin's codes (qmoe.reference). Designed behaviour read from
 python/qmoe/quant.py and include/qmoe/formats.h: real inputs of any real dtype are converted to
-float32 (bool is refused), 1-byte code inputs take any 1-byte dtype as raw codes, a 0-d x / scale of
+float32 (bool is refused), 1-byte code inputs take int8 / uint8 / float8_e4m3fn / float8_e8m0fnu as raw codes
+(any other dtype, bool included, is refused), a 0-d x / scale of
 quantize_fp8 reads as one element, non-contiguous and misaligned inputs are copied, NaN / Inf / huge /
 denormal values are legal (saturation and NaN codes per formats.h). Machinery shared with
 test_hostile_inputs.py (imported from it)."""
@@ -85,12 +86,12 @@ def test_quant_hostile(name, data):
         a = a[..., : a.shape[-1] - last_axis[arg] // 2 - 1] if last_axis[arg] > 1 else a[..., :0]
         legal = last_axis[arg] == 1
     elif kind == "bool":
-        # Only for real inputs: 1-byte code inputs take any 1-byte dtype as raw codes (quant._codes_u8).
+        # Only for real inputs here; code inputs of another 1-byte dtype: test_code_inputs_refuse_other_dtypes.
         if a.dtype.kind != "f":
             return
         a = a.astype(bool)
-        # swizzle: a byte permutation, any 1-byte dtype is fine; quantize_fp8's scale: np.asarray(float32).
-        legal = name.startswith("swizzle") or arg == "scale"
+        # quantize_fp8's scale: np.asarray(float32).
+        legal = arg == "scale"
     elif kind == "zero_d":
         a = a.reshape(-1)[0]
         a = np.asarray(a)
@@ -133,3 +134,22 @@ def test_quant_hostile(name, data):
         np.testing.assert_array_equal(gf, wf, err_msg=f"{name} after {kind} of {arg}")
 
 
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, "float8_e5m2"])
+@pytest.mark.parametrize("name", sorted(QUANT_CASES))
+def test_code_inputs_refuse_other_dtypes(name, dtype):
+    """A 1-byte code input (q, packed, sf, swizzled) of another 1-byte dtype is refused naming it: its
+    bytes are not the documented codes (bool read as 0/1 codes, e5m2 bytes as e4m3 ones)."""
+    import ml_dtypes
+
+    fn, kw, _, _ = QUANT_CASES[name]
+    dt = np.dtype(getattr(ml_dtypes, dtype)) if isinstance(dtype, str) else np.dtype(dtype)
+    codes = [k for k, v in kw.items() if isinstance(v, np.ndarray) and v.dtype.itemsize == 1]
+    if not codes:
+        pytest.skip(f"{name} takes no code input")
+    for arg in codes:
+        bad = dict(kw)
+        bad[arg] = kw[arg].view(np.uint8).view(dt) if dt != np.bool_ else kw[arg].view(np.uint8).astype(bool)
+        with pytest.raises(TypeError, match=f"'{arg}'"):
+            fn(**bad)

@@ -9,7 +9,9 @@ activation scales are row-major; SiTU is Swiglu + situ_beta. qmoe adds quant_mod
 """
 from __future__ import annotations
 
+import contextlib
 import enum
+import re
 import warnings
 
 import numpy as np
@@ -103,20 +105,42 @@ def cute_dsl_fused_moe(x, x_sf, token_selected_experts, token_final_scales, w1_w
     if mode == "w4a4" and x_sf is not None and len(x_sf.shape) == 3 and x_sf.shape[2] == 1:
         x_sf = x_sf.reshape(x_sf.shape[0], x_sf.shape[1])
     layout = "gate_up" if (mode == "w4a8_int4" or activation == "relu2") else "up_gate_interleaved64"
-    return ops.fused_moe(
-        x, token_selected_experts, token_final_scales, w1_weight, _weight_sf(w1_weight_sf, "w1_weight_sf"),
-        w2_weight, _weight_sf(w2_weight_sf, "w2_weight_sf"), quant_mode=mode, num_experts=num_experts,
-        x_scale=x_sf, w1_alpha=w1_alpha, w2_alpha=w2_alpha, fc2_input_scale=fc2_input_scale,
-        per_token_scale=per_token_scale, num_local_experts=num_local_experts,
-        local_expert_offset=local_expert_offset, activation=activation,
-        # FlashInfer ignores the swiglu parameters on the other activations; qmoe's native API
-        # rejects them there, so they are passed only with SwiGLU.
-        **(dict(swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit)
-           if activation == "swiglu" else {}),
-        situ_beta=1.0 if situ_beta is None else situ_beta, situ_linear_beta=situ_linear_beta,
-        gate_up_layout=layout, deterministic=not use_fused_finalize, output_dtype=output_dtype, out=moe_output,
-        tactic=None if tactic is None else str(tactic), workspace=workspace, enable_pdl=bool(enable_pdl),
-        aux_stream=aux_stream if use_fused_finalize else None)
+    with _flashinfer_argument_names():
+        return ops.fused_moe(
+            x, token_selected_experts, token_final_scales, w1_weight, _weight_sf(w1_weight_sf, "w1_weight_sf"),
+            w2_weight, _weight_sf(w2_weight_sf, "w2_weight_sf"), quant_mode=mode, num_experts=num_experts,
+            x_scale=x_sf, w1_alpha=w1_alpha, w2_alpha=w2_alpha, fc2_input_scale=fc2_input_scale,
+            per_token_scale=per_token_scale, num_local_experts=num_local_experts,
+            local_expert_offset=local_expert_offset, activation=activation,
+            # FlashInfer ignores the swiglu parameters on the other activations; qmoe's native API
+            # rejects them there, so they are passed only with SwiGLU.
+            **(dict(swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta, swiglu_limit=swiglu_limit)
+               if activation == "swiglu" else {}),
+            situ_beta=1.0 if situ_beta is None else situ_beta, situ_linear_beta=situ_linear_beta,
+            gate_up_layout=layout, deterministic=not use_fused_finalize, output_dtype=output_dtype, out=moe_output,
+            tactic=None if tactic is None else str(tactic), workspace=workspace, enable_pdl=bool(enable_pdl),
+            aux_stream=aux_stream if use_fused_finalize else None)
+
+
+# qmoe's native argument names -> FlashInfer's: errors raised under cute_dsl_fused_moe name each
+# argument as its caller wrote it.
+_FLASHINFER_NAMES = {"topk_ids": "token_selected_experts", "topk_weights": "token_final_scales", "x_scale": "x_sf",
+                     "w1": "w1_weight", "w1_scale": "w1_weight_sf", "w2": "w2_weight", "w2_scale": "w2_weight_sf",
+                     "out": "moe_output", "output": "moe_output"}
+
+
+@contextlib.contextmanager
+def _flashinfer_argument_names():
+    """Re-raise a ValueError / TypeError of qmoe's native op with FlashInfer's argument names (same
+    type, the message otherwise unchanged)."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        text = str(err)
+        renamed = re.sub(r"argument '([^']+)'", lambda m: f"argument '{_FLASHINFER_NAMES.get(m[1], m[1])}'", text)
+        if renamed == text:
+            raise
+        raise type(err)(renamed) from err
 
 
 class CuteDslMoEWrapper:
