@@ -5,14 +5,45 @@
 # the fastest (<). Input for src/tune/tactics.cpp's thresholds. About a minute on an H200 after the build.
 # Usage (device, carry .dev/cutlass): bash scripts/device_tactic_sweep.sh   (QMOE_SKIP_BUILD=1 reuses build/device)
 # Options: QMOE_SWEEP_SHAPES="name=E:topk:N:K,..." QMOE_SWEEP_T="1,2,4,..." Output: stdout and $OUT/tactic_sweep.md.
+# QMOE_SWEEP_KERNEL=bf16: the bf16 x 4-bit GEMM of the FP4 / w4a16 modes instead (tests/gpu/bf16_w4_gemm_check.cu
+# --bench-only: NVFP4 and int4-g128 weights, one launch per timing), output $OUT/tactic_sweep_bf16.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 if [[ "${QMOE_SKIP_BUILD:-0}" != 1 ]]; then bash scripts/device_build.sh > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }; fi
-bash tests/gpu/build_w4a8_check.sh build/w4a8_check || exit 1
 SHAPES=${QMOE_SWEEP_SHAPES:-dsv3_g1=256:8:4096:7168,dsv3_g2=256:8:7168:2048,q235_g1=128:8:3072:4096,q235_g2=128:8:4096:1536,mixtral_g1=8:2:28672:4096,mixtral_g2=8:2:4096:14336,q30_g1=128:8:1536:2048,q30_g2=128:8:2048:768}
 TS=${QMOE_SWEEP_T:-1,8,16,32,64,128,256,512,1024}
 LOG=$(mktemp)
+if [[ "${QMOE_SWEEP_KERNEL:-w4a8}" == bf16 ]]; then
+  bash tests/gpu/build_w4a8_check.sh build/bf16_w4_check tests/gpu/bf16_w4_gemm_check.cu || exit 1
+  MAX_T=$(echo "$TS" | tr ',' '\n' | sort -n | tail -n1)
+  QMOE_BENCH_SHAPES=$(echo "$SHAPES" | sed 's/[a-z0-9_]*=//g') QMOE_BENCH_T=$TS \
+    build/bf16_w4_check --bench-only "$MAX_T" > "$LOG" 2>&1 || { tail -20 "$LOG"; exit 1; }
+  python3 - "$LOG" "$SHAPES" <<'PY' | tee "$OUT/tactic_sweep_bf16.md"
+import re, sys
+log, shapes = open(sys.argv[1]).read().splitlines(), sys.argv[2].split(",")
+names = [s.split("=")[0] for s in shapes]
+times, chosen = {}, {}
+for line in log:  # | format | gemmG | T | tactic[*] | us | TB/s | TFLOP/s |
+    m = re.match(r"\| (\w+)\s*\| gemm(\d+)\s*\|\s*(\d+) \| (\w+)\s*(\*?)\s*\|\s*([\d.]+) \|", line)
+    if m:
+        key = (m[1], int(m[2]), int(m[3]))
+        times.setdefault(key, {})[m[4]] = float(m[6])
+        if m[5]:
+            chosen[key] = m[4]
+tactics = sorted({t for v in times.values() for t in v})
+print("| format | shape | T | " + " | ".join(tactics) + " | pick / best |")
+print("|---|---|--:|" + "--:|" * len(tactics) + "---|")
+for (f, g, t), v in sorted(times.items()):
+    best = min(v, key=v.get)
+    pick = chosen.get((f, g, t), "?")
+    cells = [("%.1f" % v[x] if x in v else "-") + (" *" if x == pick else "") + (" <" if x == best else "") for x in tactics]
+    loss = v[pick] / v[best] if pick in v else float("nan")
+    print(f"| {f} | {names[g - 1]} | {t} | " + " | ".join(cells) + f" | {loss:.2f}x |")
+PY
+  exit 0
+fi
+bash tests/gpu/build_w4a8_check.sh build/w4a8_check || exit 1
 QMOE_BENCH_SHAPES=$(echo "$SHAPES" | sed 's/[a-z0-9_]*=//g') QMOE_BENCH_T=$TS QMOE_BENCH_BATCH=1 \
   build/w4a8_check --bench-only > "$LOG" 2>&1 || { tail -20 "$LOG"; exit 1; }
 python3 - "$LOG" "$SHAPES" <<'PY' | tee "$OUT/tactic_sweep.md"

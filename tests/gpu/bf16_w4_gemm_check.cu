@@ -8,8 +8,10 @@
 // and bf16 outputs poisoned with NaN. Reference: fp64 sums of exact products on the host (int4: the
 // group promotion, one fp32 FMA per group). Passes when rel RMS <= 1e-5 (fp32 out) / 4e-3 (bf16),
 // no NaN inside groups, and the rows after the last group still hold the poison.
-// Timing (--bench): GEMM1-like (N 4096, K 7168) and GEMM2-like (N 7168, K 2048), E 256, top-8
-// uniform routing, T in {1, 8, 64, 512, 4096}; median of 20 launches over 8 rotated routings.
+// Timing (--bench [max T]): GEMM1-like (N 4096, K 7168) and GEMM2-like (N 7168, K 2048), E 256, top-8
+// uniform routing, T in {1, 8, 64, 512, 4096}, every tactic; median of 20 launches over 8 rotated
+// routings. QMOE_BENCH_SHAPES / QMOE_BENCH_T (bench_env.h) replace the shapes / the token list (the
+// gemm column then names the shape by its index: gemm1, gemm2, ...).
 // Build: tests/gpu/build_w4a8_check.sh build/bf16_w4_check tests/gpu/bf16_w4_gemm_check.cu.
 #include <cuda_runtime.h>
 
@@ -23,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_env.h"
 #include "cuda/gemm/sm90_grouped_gemm_bf16_w4.h"
 #include "qmoe/error.h"
 #include "qmoe/formats.h"
@@ -227,8 +230,8 @@ __global__ void fill_random(uint8_t* p, int64_t n, uint32_t seed, uint8_t lo, ui
 
 int64_t bench_max_t = 4096;  // --bench [max T]
 
-void bench(W4Format format, const char* name, int64_t N, int64_t K) {
-  const int64_t E = 256, topk = 8;
+void bench(W4Format format, const std::string& name, const BenchShape& shape, const std::vector<int>& tokens) {
+  const int64_t E = shape.e, topk = shape.topk, N = shape.n, K = shape.k;
   const bool int4 = format == W4Format::kInt4G128;
   const int64_t block = format == W4Format::kNvfp4 ? 16 : 32;
   const int64_t w_bytes = E * N * K / 2;
@@ -243,7 +246,8 @@ void bench(W4Format format, const char* name, int64_t N, int64_t K) {
   } else {
     fill_random<<<1024, 256>>>(ds, s_bytes, 2, format == W4Format::kNvfp4 ? 0x20 : 120, 16);
   }
-  const int64_t max_rows = 4096 * topk;
+  const int64_t max_t = tokens.empty() ? 0 : *std::max_element(tokens.begin(), tokens.end());
+  const int64_t max_rows = std::max<int64_t>(max_t, 1) * topk;
   CHECK_CUDA(cudaMalloc(&da, max_rows * K * 2));
   CHECK_CUDA(cudaMalloc(&dd, max_rows * N * 4));
   CHECK_CUDA(cudaMalloc(&drs, max_rows * 4));
@@ -252,8 +256,8 @@ void bench(W4Format format, const char* name, int64_t N, int64_t K) {
   int32_t *doff, *dsz;
   CHECK_CUDA(cudaMalloc(&doff, 8 * E * 4));
   CHECK_CUDA(cudaMalloc(&dsz, 8 * E * 12));
-  for (int64_t T : {1, 8, 64, 512, 4096}) {
-    if (T > bench_max_t) break;
+  for (const int64_t T : tokens) {
+    if (T > bench_max_t) continue;
     std::mt19937 rng(7);
     int64_t experts_hit = 0;
     for (int rot = 0; rot < 8; ++rot) {
@@ -300,7 +304,7 @@ void bench(W4Format format, const char* name, int64_t N, int64_t K) {
       std::sort(times.begin(), times.end());
       const double us = times[times.size() / 2];
       const double flops = 2.0 * T * topk * N * K;
-      std::printf("| %-6s | %-5s | %5lld | %-22s%s | %9.1f | %6.2f | %7.1f |\n", format_name(format), name, (long long)T,
+      std::printf("| %-6s | %-5s | %5lld | %-22s%s | %9.1f | %6.2f | %7.1f |\n", format_name(format), name.c_str(), (long long)T,
                   tac.name().c_str(), tac == chosen ? "*" : " ", us, bytes / us * 1e-6, flops / us * 1e-6);
     }
   }
@@ -336,8 +340,9 @@ int main(int argc, char** argv) {
                 "|---|---|---|---|---|---|---|\n");
     for (W4Format f : {W4Format::kNvfp4, W4Format::kMxfp4, W4Format::kInt4G128}) {
       if (bench_only && f == W4Format::kMxfp4) continue;
-      bench(f, "gemm1", 4096, 7168);
-      bench(f, "gemm2", 7168, 2048);
+      const std::vector<BenchShape> shapes = bench_shapes({{256, 8, 4096, 7168}, {256, 8, 7168, 2048}});
+      const std::vector<int> tokens = bench_tokens({1, 8, 64, 512, 4096});
+      for (size_t i = 0; i < shapes.size(); ++i) bench(f, "gemm" + std::to_string(i + 1), shapes[i], tokens);
     }
   }
   return failures == 0 ? 0 : 1;

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_env.h"
 #include "qmoe/grouped_gemm.h"
 #include "qmoe/tactics.h"
 #include "qmoe/tensor.h"
@@ -235,45 +236,16 @@ double sglang_us(int gemm, int t) {  // shared/peers/h200-w4a8-grouped-gemm.md, 
   return 0;
 }
 
-// QMOE_BENCH_SHAPES="E:topk:N:K,..." replaces the DeepSeek-V3 GEMM1/GEMM2 shapes (kernel A/B runs).
-struct BenchShape {
-  int64_t e, topk, n, k;
-};
-std::vector<BenchShape> bench_shapes() {
-  std::vector<BenchShape> out;
-  const char* env = std::getenv("QMOE_BENCH_SHAPES");
-  if (env == nullptr) return {{256, 8, 4096, 7168}, {256, 8, 7168, 2048}};
-  std::string s(env);
-  for (size_t pos = 0; pos < s.size();) {
-    const size_t end = s.find(',', pos) == std::string::npos ? s.size() : s.find(',', pos);
-    BenchShape x{};
-    if (std::sscanf(s.substr(pos, end - pos).c_str(), "%ld:%ld:%ld:%ld", &x.e, &x.topk, &x.n, &x.k) == 4) out.push_back(x);
-    pos = end + 1;
-  }
-  return out;
-}
-
 void bench(std::vector<BenchRow>& rows_out) {
   // 1024 and 2048 tokens: 32 and 64 rows per expert, where the mma.sync and WGMMA 64-token tiles compete.
-  // QMOE_BENCH_T="t1,t2,..." replaces this list (any token counts: tactic sweeps between the defaults).
-  std::vector<int> ts = {1, 8, 64, 256, 1024, 2048, 4096};
-  const std::vector<BenchShape> shapes = bench_shapes();
+  // QMOE_BENCH_SHAPES / QMOE_BENCH_T (bench_env.h) replace the DeepSeek-V3 shapes / this token list.
+  const std::vector<int> ts = bench_tokens({1, 8, 64, 256, 1024, 2048, 4096});
+  const std::vector<BenchShape> shapes = bench_shapes({{256, 8, 4096, 7168}, {256, 8, 7168, 2048}});
   constexpr int kRoutings = 8, kWarmup = 3, kIters = 20;
-  // Optional filters (profiling): QMOE_BENCH_GEMM=<shape index + 1>, QMOE_BENCH_T=<tokens>,
+  // Optional filters (profiling): QMOE_BENCH_GEMM=<shape index + 1>,
   // QMOE_BENCH_TACTIC=<name> or "heuristic" (only the tactic select_tactic picks).
   const char* f_gemm = std::getenv("QMOE_BENCH_GEMM");
-  const char* f_t = std::getenv("QMOE_BENCH_T");
   const char* f_tactic = std::getenv("QMOE_BENCH_TACTIC");
-  if (f_t) {
-    ts.clear();
-    for (const char* p = f_t; *p;) {
-      char* end = nullptr;
-      const long v = std::strtol(p, &end, 10);
-      if (end == p) break;
-      if (v > 0) ts.push_back(static_cast<int>(v));
-      p = *end == ',' ? end + 1 : end;
-    }
-  }
   for (int gi = 0; gi < static_cast<int>(shapes.size()); ++gi) {
     if (f_gemm && std::atoi(f_gemm) != gi + 1) continue;
     const int64_t E = shapes[gi].e, topk = shapes[gi].topk, n = shapes[gi].n, k = shapes[gi].k;
