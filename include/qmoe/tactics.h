@@ -26,7 +26,7 @@ struct Tactic {
   int tile_m = 128;  // weight rows (output features) per CTA tile: the MMA M side (swap-AB)
   int tile_n = 16;   // token rows per CTA tile: the MMA N side
   int tile_k = 256;  // K per pipeline stage (a multiple of the 128-wide scale group)
-  int split_k = 1;   // CTAs (a cluster) sharing each tile's K groups: decode_m64_n8_k512_s4
+  int split_k = 1;   // no compiled tactic splits K yet
 
   std::string name() const;  // e.g. "decode_m128_n16_k256"
   bool operator==(const Tactic& o) const {

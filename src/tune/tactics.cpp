@@ -27,13 +27,13 @@ namespace {
 using Family = Tactic::Family;
 
 // tile_k: K per pipeline stage (decode: 4 groups, so each weight row is read in 256-byte runs).
-Tactic make(Family family, int tile_m, int tile_n, int tile_k, int split_k = 1) {
+Tactic make(Family family, int tile_m, int tile_n, int tile_k) {
   Tactic t;
   t.family = family;
   t.tile_m = tile_m;
   t.tile_n = tile_n;
   t.tile_k = tile_k;
-  t.split_k = split_k;
+  t.split_k = 1;
   return t;
 }
 
@@ -51,22 +51,6 @@ const std::vector<Tactic>& compiled() {
       make(Family::kPrefill, 128, 64, 128),
   };
   return list;
-}
-
-// Split-K tactics (src/cuda/gemm/split_k.cuh: a cluster of split_k CTAs shares each tile's K groups,
-// same bits as the unsplit mma.sync tiles). Not yet timed on a GPU: valid only when
-// QMOE_SPLIT_K_TACTICS=1 (read per call), and never the heuristic's choice. Limit: a CTA's slice of
-// ceil(K / 128 / split_k) groups holds at most 16 (split_k.cuh
-// kSplitMaxGroups): K <= split_k * 2048 (s4: 8192, s8: 16384, Mixtral's 14336).
-const std::vector<Tactic>& compiled_split_k() {
-  static const std::vector<Tactic> list = {make(Family::kDecode, 64, 8, 512, 4), make(Family::kDecode, 64, 8, 512, 8)};
-  return list;
-}
-constexpr int64_t kSplitKMaxGroupsPerCta = 16;
-
-bool split_k_tactics_enabled() {
-  const char* v = std::getenv("QMOE_SPLIT_K_TACTICS");
-  return v != nullptr && v[0] == '1' && v[1] == '\0';
 }
 
 // The bf16 x 4-bit kernel (sm90_grouped_gemm_bf16_w4.cu), mma.sync bf16: the same tile names.
@@ -119,7 +103,8 @@ constexpr int64_t kWgmmaN64MaxRows = 48;
 // CTAs to work (Qwen3-30B at T = 1: 8 experts x 12 tiles). The row count is known only on the
 // device, so this is a bound, not the real grid. Measured (H200, bench/results/2026-11-30_s3_*):
 // Qwen3-30B T = 1 GEMM1 17.8 -> 15.6 us, GEMM2 9.4 -> 8.8 us; Mixtral GEMM2 T = 1 unchanged (65.6 ->
-// 64.6 us: its K = 14336 loop, not the grid, is the limit there; split-K is what it needs).
+// 64.6 us: its K = 14336 loop, not the grid, is the limit there; a bit-keeping split-K over clusters
+// was built for it and measured 1.4-9x slower everywhere, then removed: design.md 6.2).
 constexpr int64_t kHopperSms = 132;
 
 std::string Tactic::name() const {
@@ -135,12 +120,7 @@ std::vector<Tactic> valid_tactics(const GemmProblem& problem) {
   const int64_t k_step = problem.bf16_activations ? 32 : 128;
   if (problem.k <= 0 || problem.k % k_step != 0 || problem.n <= 0 || problem.n % 8 != 0 || problem.num_experts <= 0)
     return {};
-  if (problem.bf16_activations) return compiled_bf16();
-  std::vector<Tactic> valid = compiled();
-  if (split_k_tactics_enabled())
-    for (const Tactic& t : compiled_split_k())
-      if (problem.k <= t.split_k * kSplitKMaxGroupsPerCta * 128) valid.push_back(t);
-  return valid;
+  return problem.bf16_activations ? compiled_bf16() : compiled();
 }
 
 Tactic select_tactic(const GemmProblem& problem) {
@@ -180,7 +160,7 @@ Tactic select_tactic(const GemmProblem& problem) {
 }
 
 Tactic parse_tactic(const std::string& name) {
-  for (const auto* list : {&compiled(), &compiled_bf16(), &compiled_split_k()})
+  for (const auto* list : {&compiled(), &compiled_bf16()})
     for (const Tactic& t : *list)
       if (t.name() == name) return t;
   std::string known;

@@ -4,7 +4,6 @@
 // list, name round trips and errors.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -119,41 +118,6 @@ TEST(Tactics, NameRoundTrip) {
   EXPECT_EQ(decode.tile_n, 16);
   EXPECT_EQ(decode.tile_k, 256);
   EXPECT_EQ(decode.split_k, 1);
-}
-
-// The split-K tactic (src/cuda/gemm/split_k.cuh) is offered only with QMOE_SPLIT_K_TACTICS=1, for the
-// W4A8 kernel and K <= 8192 (a CTA's slice holds at most 16 groups), and is never the heuristic's pick.
-TEST(Tactics, SplitKOnlyWithItsSwitch) {
-  auto has_split = [](const qmoe::GemmProblem& p) {
-    for (const auto& t : qmoe::valid_tactics(p))
-      if (t.split_k != 1) return true;
-    return false;
-  };
-  unsetenv("QMOE_SPLIT_K_TACTICS");
-  EXPECT_FALSE(has_split(problem(8, 256, 4096, 2048)));
-  setenv("QMOE_SPLIT_K_TACTICS", "1", 1);
-  EXPECT_TRUE(has_split(problem(8, 256, 4096, 2048)));
-  EXPECT_TRUE(has_split(problem(8, 256, 4096, 8192)));
-  auto splits = [](const qmoe::GemmProblem& p) {
-    std::vector<int> s;
-    for (const auto& t : qmoe::valid_tactics(p))
-      if (t.split_k != 1) s.push_back(t.split_k);
-    return s;
-  };
-  EXPECT_EQ(splits(problem(8, 256, 4096, 8192)), (std::vector<int>{4, 8}));
-  EXPECT_EQ(splits(problem(8, 256, 4096, 8320)), (std::vector<int>{8}));  // 65 groups: s4 slices of 20 > 16
-  EXPECT_EQ(splits(problem(8, 256, 4096, 14336)), (std::vector<int>{8}));  // Mixtral GEMM2
-  EXPECT_FALSE(has_split(problem(8, 256, 4096, 16512)));
-  qmoe::GemmProblem bf16 = problem(8, 256, 4096, 2048);
-  bf16.bf16_activations = true;
-  EXPECT_FALSE(has_split(bf16));
-  for (int64_t rows : {1, 8, 64, 512, 8192}) EXPECT_EQ(qmoe::select_tactic(problem(rows)).split_k, 1);
-  unsetenv("QMOE_SPLIT_K_TACTICS");
-  const auto split = qmoe::parse_tactic("decode_m64_n8_k512_s4");
-  EXPECT_EQ(split.split_k, 4);
-  EXPECT_EQ(split.tile_m, 64);
-  EXPECT_EQ(split.name(), "decode_m64_n8_k512_s4");
-  EXPECT_EQ(qmoe::parse_tactic("decode_m64_n8_k512_s8").split_k, 8);
 }
 
 TEST(Tactics, UnknownNameThrows) {

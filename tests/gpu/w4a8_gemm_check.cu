@@ -157,7 +157,7 @@ void check_case(const char* label, int64_t e, int64_t n, int64_t k, const std::v
   names.push_back("default");
   std::vector<uint16_t> out(r * n);
   // The mma.sync tactics (every tactic but the two WGMMA prefill tiles, whose K order differs) share one
-  // fp32 summation order, so they must give the same bits (the split-K ones included: split_k.cuh).
+  // fp32 summation order, so they must give the same bits.
   std::vector<uint16_t> first_mma;
   std::string first_mma_name;
   for (size_t ti = 0; ti < names.size(); ++ti) {

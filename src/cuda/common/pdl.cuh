@@ -53,40 +53,19 @@ class PdlScope {
   bool previous_;
 };
 
-// The launch attribute of 1-D thread-block clusters of x CTAs.
-inline cudaLaunchAttribute cluster_attribute(unsigned x) {
-  cudaLaunchAttribute a = {};
-  a.id = cudaLaunchAttributeClusterDimension;
-  a.val.clusterDim.x = x;
-  a.val.clusterDim.y = 1;
-  a.val.clusterDim.z = 1;
-  return a;
-}
-
-// cluster_x > 1: a grid of 1-D thread-block clusters of cluster_x CTAs (grid.x a multiple of it).
 template <class... KernelArgs, class... Args>
-void launch_kernel_clusters(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                            unsigned cluster_x, Args&&... args) {
+void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[2];
-  unsigned n = 0;
-  if (cluster_x > 1) attribute[n++] = cluster_attribute(cluster_x);
-  if (pdl_enabled()) {
-    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = n;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
   (void)cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);  // error: cudaGetLastError()
-}
-
-template <class... KernelArgs, class... Args>
-void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
-  launch_kernel_clusters(kernel, grid, block, smem, stream, 1u, std::forward<Args>(args)...);
 }
 
 }  // namespace qmoe::cuda

@@ -97,10 +97,6 @@ struct CtaTiles {
     return find_tile<TILE_M, TILE_N>(blockIdx.x + i * gridDim.x, tile_start, num_experts, problem_sizes,
                                      expert_offsets);
   }
-  // Tile number `tile` of the whole list (0 <= tile < total): the split-K grids deal tiles to clusters.
-  __device__ __forceinline__ GroupedTile at(int tile) const {
-    return find_tile<TILE_M, TILE_N>(tile, tile_start, num_experts, problem_sizes, expert_offsets);
-  }
 };
 
 // Every thread of the block calls this: builds the work list (build_tile_list) and returns this CTA's share.

@@ -54,53 +54,6 @@ void launch_typed(const W4A8ParamsOf<OutT>& params, int64_t rows, int device, cu
   check_cuda(cudaGetLastError(), "launch of sm90_grouped_gemm_w4a8_int4");
 }
 
-// Split-K (split_k.cuh): clusters of SPLIT CTAs, each taking a slice of every tile's K groups. The
-// grid: as many clusters as fit at once (queried once per device), at most one per tile bound.
-template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS,
-          int SPLIT>
-void launch_split(const W4A8ParamsOf<OutT>& params, int64_t rows, int device, cudaStream_t stream) {
-  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K>;
-  constexpr auto kernel =
-      sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K, MIN_BLOCKS, SPLIT>;
-  constexpr int kSmem = Cfg::kSmemBytes + split_smem_bytes<Cfg::kTileM, Cfg::kTileN, STAGES>();
-  // valid_tactics offers the tactic only where a slice fits the Q buffer; a caller bug otherwise.
-  const int slice_groups = split_slice_groups<SPLIT>(params.k / w4a8::kGroup);
-  QMOE_CHECK_ARG(slice_groups <= kSplitMaxGroups, "tactic",
-                 "a split-K tactic only for K <= " + std::to_string(SPLIT * kSplitMaxGroups * w4a8::kGroup),
-                 "K = " + std::to_string(params.k));
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache_clusters[kMaxDevices] = {}, cache_sms[kMaxDevices] = {};
-  QMOE_CHECK_ARG(device >= 0 && device < kMaxDevices, "device", "a CUDA device index below 64", std::to_string(device));
-  int clusters = cache_clusters[device].load(std::memory_order_acquire);
-  int sms = cache_sms[device].load(std::memory_order_acquire);
-  if (clusters == 0) {
-    const char* what = "occupancy of the split-K w4a8 grouped gemm";
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem), what);
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(SPLIT * sms);
-    config.blockDim = dim3(Cfg::kThreads);
-    config.dynamicSmemBytes = kSmem;
-    cudaLaunchAttribute attribute[1] = {cluster_attribute(SPLIT)};
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    check_cuda(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), what);
-    // None fits (a GPU partition without a GPC of SPLIT free SMs): say so instead of a failed launch.
-    QMOE_CHECK_ARG(clusters > 0, "tactic", "a split-K tactic whose cluster of " + std::to_string(SPLIT) +
-                   " CTAs fits on this GPU", "no co-resident cluster (cudaOccupancyMaxActiveClusters = 0)");
-    cache_sms[device].store(sms, std::memory_order_release);
-    cache_clusters[device].store(clusters, std::memory_order_release);
-  }
-  const int limit = sm_limit();  // a thread's SM limit scales the clusters that fit
-  if (limit > 0 && limit < sms) clusters = clusters * limit / sms > 0 ? clusters * limit / sms : 1;
-  const int64_t n_tiles = (params.n + Cfg::kTileM - 1) / Cfg::kTileM;
-  const int64_t max_tiles = (rows / Cfg::kTileN + params.num_experts) * n_tiles;
-  const int64_t grid_clusters = max_tiles < clusters ? (max_tiles > 0 ? max_tiles : 1) : clusters;
-  launch_kernel_clusters(kernel, dim3(static_cast<unsigned>(grid_clusters * SPLIT)), dim3(Cfg::kThreads), kSmem, stream,
-                         SPLIT, params);
-  check_cuda(cudaGetLastError(), "launch of the split-K sm90_grouped_gemm_w4a8_int4");
-}
-
 // The output type is a runtime property of d; the tile configuration is the same for both.
 template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS>
 void launch(const W4A8GemmParams& params, bool fp32_out, int64_t rows, int device, cudaStream_t stream) {
@@ -152,15 +105,6 @@ Prepared prepare(const W4A8MoeMmArgs& args, const RowScatterAdd& scatter) {
 
 bool is_tactic(const Tactic& tactic, Tactic::Family f, int m, int n, int k) {
   return tactic.family == f && tactic.tile_m == m && tactic.tile_n == n && tactic.tile_k == k && tactic.split_k == 1;
-}
-
-// decode_m64_n8_k512_s4 / _s8: the m64 n8 tile split over clusters of 4 or 8 CTAs (split_k.cuh). Offered
-// only with QMOE_SPLIT_K_TACTICS=1 (src/tune/tactics.cpp) until it has been timed. Returns the cluster
-// size, 0 for any other tactic.
-int split_m64_n8(const Tactic& tactic) {
-  const bool tile = tactic.family == Tactic::Family::kDecode && tactic.tile_m == 64 && tactic.tile_n == 8 &&
-                    tactic.tile_k == 512;
-  return tile && (tactic.split_k == 4 || tactic.split_k == 8) ? tactic.split_k : 0;
 }
 
 // The WGMMA tactics (prefill_m128_n128_k128 and prefill_m128_n64_k128: sm90_grouped_gemm_w4a8_int4_wgmma.cu).
@@ -238,18 +182,6 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     launch<2, 1, 2, 1, 4, 4, 2, 2>(params, fp32_out, rows, device, stream);  // n8 at half height
   } else if (is(Family::kDecode, 64, 32, 512)) {
     launch<4, 1, 1, 4, 4, 3, 2, 2>(params, fp32_out, rows, device, stream);
-  } else if (split_m64_n8(tactic) == 4) {
-    // The m64 n8 tile with 3 stages (with its 41 KB of group sums, scales and scale blocks, two CTAs per
-    // SM), clusters of 4 / 8.
-    if (fp32_out)
-      launch_split<float, 2, 1, 2, 1, 4, 3, 2, 2, 4>(params, rows, device, stream);
-    else
-      launch_split<__nv_bfloat16, 2, 1, 2, 1, 4, 3, 2, 2, 4>(params, rows, device, stream);
-  } else if (split_m64_n8(tactic) == 8) {
-    if (fp32_out)
-      launch_split<float, 2, 1, 2, 1, 4, 3, 2, 2, 8>(params, rows, device, stream);
-    else
-      launch_split<__nv_bfloat16, 2, 1, 2, 1, 4, 3, 2, 2, 8>(params, rows, device, stream);
   } else if (is(Family::kPrefill, 128, 64, 256)) {
     launch<2, 2, 4, 4, 2, 3, 2, 1>(params, fp32_out, rows, device, stream);  // 8 warps x ~170 registers: one CTA per SM
   } else if (is_wgmma(tactic)) {
@@ -265,8 +197,7 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
 bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activation activation) {
   using Family = Tactic::Family;
   const bool decode = is_tactic(tactic, Family::kDecode, 128, 8, 256) || is_tactic(tactic, Family::kDecode, 128, 16, 256) ||
-                      is_tactic(tactic, Family::kDecode, 64, 8, 512) || is_tactic(tactic, Family::kDecode, 64, 32, 512) ||
-                      split_m64_n8(tactic) != 0;
+                      is_tactic(tactic, Family::kDecode, 64, 8, 512) || is_tactic(tactic, Family::kDecode, 64, 32, 512);
   if (!(decode || is_wgmma(tactic)) || inter <= 0) return false;
   // Gated: a tile's F = TILE_M / 2 (64 or 32) features never straddle I nor an interleaved 64-group.
   if (activation != Activation::kRelu2) return n == 2 * inter && inter % 64 == 0;
@@ -310,10 +241,6 @@ void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cu
     launch_typed<ActE4m3, 2, 1, 4, 2, 2, 4, 2, 2>(params, rows, device, stream);
   } else if (is_tactic(tactic, Family::kDecode, 64, 8, 512)) {
     launch_typed<ActE4m3, 2, 1, 2, 1, 4, 4, 2, 2>(params, rows, device, stream);
-  } else if (split_m64_n8(tactic) == 4) {
-    launch_split<ActE4m3, 2, 1, 2, 1, 4, 3, 2, 2, 4>(params, rows, device, stream);
-  } else if (split_m64_n8(tactic) == 8) {
-    launch_split<ActE4m3, 2, 1, 2, 1, 4, 3, 2, 2, 8>(params, rows, device, stream);
   } else {
     launch_typed<ActE4m3, 4, 1, 1, 4, 4, 3, 2, 2>(params, rows, device, stream);
   }

@@ -61,7 +61,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include <cooperative_groups.h>
 #include <cuda_runtime_api.h>
 
 #include "cuda/common/int4_to_f16.cuh"
@@ -71,7 +70,6 @@
 #include "cuda/gemm/grouped_gemm_epilogue.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/gemm/k_warps.cuh"
-#include "cuda/gemm/split_k.cuh"
 #include "cuda/common/pdl.cuh"
 #include "qmoe/grouped_gemm.h"
 #include "qmoe/tactics.h"
@@ -263,9 +261,7 @@ __device__ __forceinline__ void act_requant_epilogue(const W4A8ActGemmParams& p,
   act_requant_items<kTileM, kThreads>(ep, t, park, tid);
 }
 
-// SPLIT > 1: split-K over a cluster of SPLIT CTAs, same bits (split_k.cuh).
-template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS,
-          int SPLIT = 1>
+template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     sm90_grouped_gemm_w4a8_int4_kernel(const W4A8ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
@@ -282,9 +278,6 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   extern __shared__ __align__(128) uint8_t smem[];
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem);  // [E + 1] exclusive prefix of tiles
   uint8_t* stages = smem + Cfg::kTileStartBytes;
-  // Split-K only: the group sums and scales (split_k.cuh, split_smem_bytes), after the K warps' park.
-  float* split_q = reinterpret_cast<float*>(stages + STAGES * Cfg::kStageBytes + Cfg::kSplitBytes);
-  uint8_t* split_scale_stage = reinterpret_cast<uint8_t*>(split_q) + split_buffer_bytes<kTileM, kTileN>();
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -292,45 +285,14 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   const int E = p.num_experts;
   const int n_tiles = (p.n + kTileM - 1) / kTileM;
   const int groups = p.k / kGroup;
-  // (Computed here, before the work list, as in the unsplit kernel: computed after it, the same value
-  // changed the register allocation of two unsplit kernels. if constexpr below for the same reason.)
-  const int stages_per_tile = [&] {
-    if constexpr (SPLIT > 1) {
-      return (split_slice_groups<SPLIT>(groups) + GPS - 1) / GPS;
-    } else {
-      return (groups + GPS - 1) / GPS;
-    }
-  }();
+  const int stages_per_tile = (groups + GPS - 1) / GPS;
 
   // ---- Work list (grouped_tile_list.cuh): exclusive prefix of tiles per expert in smem.
   __shared__ int32_t warp_total[kThreads / 32];
   const auto tiles =
       cta_tiles<kThreads, kTileM, kTileN>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
-  // Split-K (SPLIT > 1, split_k.cuh): a cluster of SPLIT CTAs shares each tile, CTA `rank` takes the
-  // K groups [g_begin, g_begin + slice_groups); cluster c takes tiles c, c + clusters, ...
-  const SplitSlice slice = split_slice<SPLIT>(groups, tiles.total);
-  if constexpr (SPLIT > 1) {
-    if (slice.tile_count == 0) return;  // the whole cluster (no cluster barrier is pending)
-  } else {
-    if (tiles.empty()) return;
-  }
-  const int tile_count = [&] {
-    if constexpr (SPLIT > 1) return slice.tile_count; else return tiles.count;
-  }();
-  const int g_first = [&] {  // this CTA's first K group
-    if constexpr (SPLIT > 1) return slice.g_begin; else return 0;
-  }();
-  const int g_end = [&] {  // one past its last
-    if constexpr (SPLIT > 1) return slice.g_end; else return groups;
-  }();
-  auto tile_of = [&](int i) {
-    if constexpr (SPLIT > 1) {
-      return tiles.at(slice.first_tile + i * slice.tile_stride);
-    } else {
-      return tiles[i];
-    }
-  };
-  const int total_iters = tile_count * stages_per_tile;
+  if (tiles.empty()) return;
+  const int total_iters = tiles.count * stages_per_tile;
 
   const int64_t row_bytes_b = p.k / 2;
   const int groups_per_kb = p.k / 512;  // packed-4 scale blocks
@@ -360,7 +322,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   auto issue_loads = [&](int it, int stage) {
     const int s = it % stages_per_tile;
     if (s == 0) {
-      const GroupedTile t = tile_of(it / stages_per_tile);
+      const GroupedTile t = tiles[it / stages_per_tile];
       // Weight row of tile row r: row_lo + r, plus row_jump when r >= TILE_M / 2 (only in the fused
       // gated epilogue: gate rows of F features, then their up rows; see the top comment).
       // (The plain kernels keep their exact address arithmetic: if constexpr.)
@@ -388,10 +350,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       if (p.scales_packed4) {
         // 8 bytes (the 4 groups of a 512 block) per feature row: one 16-byte copy = 2 rows of
         // block `bi` of the stage.
-        // (Split-K: a stage may start inside a block, so it copies 2 blocks, into split_scale_stage.)
-        constexpr int kBlocks = SPLIT > 1 ? 2 : Cfg::kScaleBlocks;
         const int bi = tid / (kTileM / 2), c = tid % (kTileM / 2);
-        s_valid = tid < kBlocks * kTileM / 2 && t.n0 + 2 * c < p.n;
+        s_valid = tid < Cfg::kScaleBlocks * kTileM / 2 && t.n0 + 2 * c < p.n;
         s_src = p.b_scales + (static_cast<int64_t>(t.expert) * groups_per_kb + bi) * 4 * p.n + 4 * weight_row(2 * c);
       } else {
         // GPS slices of TILE_M scales (one per group): one 16-byte copy = 8 rows of one group.
@@ -404,8 +364,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         }
       }
     }
-    const int g0 = g_first + s * GPS;
-    const int valid_groups = min(GPS, g_end - g0);  // <= 0: a split's stage past its slice (zero-filled)
+    const int g0 = s * GPS;
+    const int valid_groups = min(GPS, groups - g0);
     uint8_t* sb = stages + stage * Cfg::kStageBytes;
     uint8_t* sa = sb + Cfg::kStageB;
     uint8_t* ss = sa + Cfg::kStageA;
@@ -433,15 +393,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       cp_async_16(sa + r * kTileK + (swizzle_a(a_chunk, r) << 4), src, valid);
     }
     if (p.scales_packed4) {
-      if constexpr (SPLIT > 1) {
-        // Blocks g0 / 4 and g0 / 4 + 1, each when it holds a group of this stage.
-        if (tid < kTileM) {
-          const int block = g0 / 4 + tid / (kTileM / 2);
-          const bool valid = s_valid && valid_groups > 0 && block * 4 < g0 + valid_groups;
-          const __nv_bfloat16* src = valid ? s_src + static_cast<int64_t>(g0 / 4) * 4 * p.n : p.b_scales;
-          cp_async_16(split_scale_stage + stage * split_scale_stage_bytes<kTileM>() + tid * 16, src, valid);
-        }
-      } else if (tid < Cfg::kScaleBlocks * kTileM / 2) {
+      if (tid < Cfg::kScaleBlocks * kTileM / 2) {
         const bool valid = s_valid && (tid / (kTileM / 2)) * 4 < valid_groups;
         const __nv_bfloat16* src = valid ? s_src + static_cast<int64_t>(g0 / 4) * 4 * p.n : p.b_scales;
         cp_async_16(ss + tid * 16, src, valid);
@@ -491,8 +443,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
 #pragma unroll
     for (int gk = 0; gk < GPS / WARPS_K; ++gk) {
       const int gg = gk * WARPS_K + warp_k;  // this warp's groups of the stage
-      const int g = g_first + s * GPS + gg;
-      if ((GPS > 1 || SPLIT > 1) && g >= g_end) break;  // K tail of the last stage (uniform branch)
+      const int g = s * GPS + gg;
+      if (GPS > 1 && g >= groups) break;  // K tail of the last stage (uniform branch)
       // Weights: one 16-byte word (32 int4) of rows gid and gid + 8 of every M fragment.
       uint4 w[MF][2];
 #pragma unroll
@@ -553,48 +505,20 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
           }
         }
       }
-      if constexpr (SPLIT > 1) {
-        // Split-K: the group's fp32 sum Q = part + bias and its rows' scales (the values the promotion
-        // below would use) wait in this CTA's shared memory; the cluster promotes every group in the
-        // unsplit order at the end of the tile (split_k.cuh).
-        constexpr int kQStride = split_q_token_stride<kTileM>();
-        float* q = split_q + (g - g_first) * (kTileN * kQStride);
-        float* sc = split_q + split_q_floats<kTileM, kTileN>() + (g - g_first) * kTileM;
-        if (tig == 0 && warp_n == 0) {
+      // Group promotion: acc += S[row, g] * P, P = 2^24 * (part + bias) (fp32, g increasing).
 #pragma unroll
-          for (int mf = 0; mf < MF; ++mf) {
-            const int r = (warp_m * MF + mf) * 16 + gid;
-            // packed-4: the stage's blocks start at block (g0 / 4) (split_scale_stage); packed-1: ss.
-            const __nv_bfloat16* blocks = reinterpret_cast<const __nv_bfloat16*>(
-                split_scale_stage + (it % STAGES) * split_scale_stage_bytes<kTileM>());
-            const int b = g / 4 - (g_first + s * GPS) / 4;
-            const float s0 = p.scales_packed4 ? __bfloat162float(blocks[b * kTileM * 4 + r * 4 + (g & 3)])
-                                              : __bfloat162float(ss[gg * kTileM + r]);
-            const float s1 = p.scales_packed4 ? __bfloat162float(blocks[b * kTileM * 4 + (r + 8) * 4 + (g & 3)])
-                                              : __bfloat162float(ss[gg * kTileM + r + 8]);
-            sc[r] = s0 * kF16BiasedUnit;
-            sc[r + 8] = s1 * kF16BiasedUnit;
-          }
-        }
-        for_each_fragment_element<MF, NF>(warp_m, warp_n, gid, tig, [&](int mf, int nf, int c, int r, int token) {
-          q[token * kQStride + r] = part[mf][nf][c] + bias[nf][c];
-        });
-      } else {
-        // Group promotion: acc += S[row, g] * P, P = 2^24 * (part + bias) (fp32, g increasing).
+      for (int mf = 0; mf < MF; ++mf) {
+        const int r = (warp_m * MF + mf) * 16 + gid;
+        const int s0 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + r * 4 + (g & 3) : gg * kTileM + r;
+        const int s1 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + (r + 8) * 4 + (g & 3) : gg * kTileM + r + 8;
+        const float scale0 = __bfloat162float(ss[s0]) * kF16BiasedUnit;
+        const float scale1 = __bfloat162float(ss[s1]) * kF16BiasedUnit;
 #pragma unroll
-        for (int mf = 0; mf < MF; ++mf) {
-          const int r = (warp_m * MF + mf) * 16 + gid;
-          const int s0 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + r * 4 + (g & 3) : gg * kTileM + r;
-          const int s1 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + (r + 8) * 4 + (g & 3) : gg * kTileM + r + 8;
-          const float scale0 = __bfloat162float(ss[s0]) * kF16BiasedUnit;
-          const float scale1 = __bfloat162float(ss[s1]) * kF16BiasedUnit;
-#pragma unroll
-          for (int nf = 0; nf < NF; ++nf) {
-            acc[mf][nf][0] = fmaf(scale0, part[mf][nf][0] + bias[nf][0], acc[mf][nf][0]);
-            acc[mf][nf][1] = fmaf(scale0, part[mf][nf][1] + bias[nf][1], acc[mf][nf][1]);
-            acc[mf][nf][2] = fmaf(scale1, part[mf][nf][2] + bias[nf][2], acc[mf][nf][2]);
-            acc[mf][nf][3] = fmaf(scale1, part[mf][nf][3] + bias[nf][3], acc[mf][nf][3]);
-          }
+        for (int nf = 0; nf < NF; ++nf) {
+          acc[mf][nf][0] = fmaf(scale0, part[mf][nf][0] + bias[nf][0], acc[mf][nf][0]);
+          acc[mf][nf][1] = fmaf(scale0, part[mf][nf][1] + bias[nf][1], acc[mf][nf][1]);
+          acc[mf][nf][2] = fmaf(scale1, part[mf][nf][2] + bias[nf][2], acc[mf][nf][2]);
+          acc[mf][nf][3] = fmaf(scale1, part[mf][nf][3] + bias[nf][3], acc[mf][nf][3]);
         }
       }
     }
@@ -603,34 +527,20 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       if constexpr (WARPS_K > 1) {  // ---- K warps meet (k_warps.cuh); the next iteration's barrier retires `park`
         float* park = reinterpret_cast<float*>(stages + STAGES * Cfg::kStageBytes);
         constexpr int kMnThreads = WARPS_M * WARPS_N * 32;
-        bool k0;
-        if constexpr (SPLIT > 1) {
-          // ---- The cluster meets (split_k.cuh): the leader's k = 0 warps rebuild acc from every CTA's
-          // Q in the unsplit order (the same bits); the other CTAs go on to their next tile.
-          const GroupedTile t = tile_of(it / stages_per_tile);
-          static_assert(Cfg::kSplitBytes >= kTileM * kTileN * 4, "park holds the tile's sums");
-          const bool leader = split_k_promote<SPLIT, WARPS_K, MF, NF, kTileM, kTileN, kThreads>(
-              acc, split_q, park, slice, groups, t, p.n, warp_m, warp_n, warp_k, gid, tig, tid);
-          if (!leader) continue;  // uniform per CTA
-          k0 = warp_k == 0;
-        } else {
-          k0 = meet_k_warps<WARPS_K, MF, NF, kMnThreads>(acc, park, warp_k, tid % kMnThreads);
-        }
+        const bool k0 = meet_k_warps<WARPS_K, MF, NF, kMnThreads>(acc, park, warp_k, tid % kMnThreads);
         if constexpr (kAct) {  // ---- Fused epilogue: A2 and s2 (all threads; see the top comment)
           static_assert(Cfg::kSplitBytes >= kTileM * kTileN * 4, "park holds the tile's h");
           act_requant_epilogue<WARPS_M, WARPS_N, MF, NF, kTileM, kTileN, kThreads>(
-              p, tile_of(it / stages_per_tile), acc, park, k0, warp_m, warp_n, lane, tid);
+              p, tiles[it / stages_per_tile], acc, park, k0, warp_m, warp_n, lane, tid);
           continue;
         }
         if (!k0) continue;
-      } else {
-        static_assert(SPLIT == 1, "split-K meets through the K warps' code path (WARPS_K > 1)");
       }
       if constexpr (kAct) {
         static_assert(WARPS_K > 1, "the fused epilogue uses the K warps' meeting memory");
       } else {
         // ---- Epilogue: D[row, n] = out(a_scale(row) * acc).
-        store_fragments<OutT>(acc, tile_of(it / stages_per_tile), p, warp_m, warp_n, gid, tig, 1.0f,
+        store_fragments<OutT>(acc, tiles[it / stages_per_tile], p, warp_m, warp_n, gid, tig, 1.0f,
                               [&](int row, float lo, float hi, float& out_lo, float& out_hi) {
                                 const float as = p.a_scales[p.a_scales_per_row ? row : 0];
                                 out_lo = as * lo;
