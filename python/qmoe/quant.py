@@ -76,6 +76,9 @@ def _last_axis(x: np.ndarray, name: str, multiple: int) -> int:
     return x.shape[-1]
 
 
+_CODE_DTYPES = ("int8", "uint8", "float8_e4m3fn", "float8_e8m0fnu")
+
+
 def _codes_u8(t, name: str) -> np.ndarray:
     """1-byte code arrays (int8, uint8, float8_e4m3fn, float8_e8m0fnu) passed through as stored. Other
     1-byte dtypes (bool, float8_e5m2, ...) are refused: their bytes are not these codes."""
@@ -84,9 +87,6 @@ def _codes_u8(t, name: str) -> np.ndarray:
         raise TypeError(f"qmoe.quant: argument '{name}': expected codes of dtype int8, uint8, float8_e4m3fn or "
                         f"float8_e8m0fnu, got dtype {t.dtype}")
     return t
-
-
-_CODE_DTYPES = ("int8", "uint8", "float8_e4m3fn", "float8_e8m0fnu")
 
 
 # ------------------------------------------------------------------------------------------------

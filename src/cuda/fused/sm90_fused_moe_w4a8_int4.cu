@@ -60,8 +60,8 @@ bool fused_epilogue_allowed() {
 }
 
 // Whether the two GEMMs get the PDL attribute (the glue kernels keep it whenever enable_pdl is on).
-// PDL made the layer 1.5-4% faster at T = 1 but up to 6% (T = 8) and 12% (Mixtral, T = 64) slower
-// at larger T (bench/results/2026-11-30_s10a_nvidia_h200_split_k_pdl.md): a GEMM launched as a
+// With it the layer was 1-4% faster up to T = 4 but up to 7% (DeepSeek-V3, T = 16) and 14% (Mixtral,
+// T = 64) slower above (bench/results/2026-11-30_s10a_nvidia_h200_split_k_pdl.md): a GEMM launched as a
 // dependent holds SMs early, waiting, that its predecessor's later CTAs could use. So by default only
 // up to kGemmPdlMaxTokens tokens. QMOE_PDL_GEMMS=0 / =1 force it off / on (A/B timing; read per
 // call like QMOE_FUSED_EPILOGUE, a getenv: cheap and legal during stream capture).
@@ -69,7 +69,7 @@ constexpr int64_t kGemmPdlMaxTokens = 4;
 
 bool gemm_pdl_wanted(int64_t tokens) {
   const char* v = std::getenv("QMOE_PDL_GEMMS");
-  if (v != nullptr && v[0] != '\0' && v[1] == '\0' && (v[0] == '0' || v[0] == '1')) return v[0] == '1';
+  if (v != nullptr && (v[0] == '0' || v[0] == '1') && v[1] == '\0') return v[0] == '1';
   return tokens <= kGemmPdlMaxTokens;
 }
 
