@@ -133,51 +133,50 @@ __device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const Group
 template <class OutT>
 using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActGemmParams, WgmmaGemmParams>;
 
-// The fused activation epilogue's first half (both kernels): this thread's accumulators of tile t
-// (rows r0, r1; token columns 8 j + 2 tig + h) into park as h = a_scale(row) * acc, the value the fp32
-// epilogue stores (__fmul_rn: one rounding, never contracted), then zeroed. Token columns past the
-// tile's rows are not written (act_requant_items reads only t.rows tokens).
-template <int TILE_N>
-__device__ __forceinline__ void park_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
-                                          float* park, int r0, int r1, int tig) {
+// Visits this thread's accumulators of tile t once: f(token column c, a_scale of its row, accumulator
+// of row r0, accumulator of row r1) for the token columns c = 8 j + 2 tig + h inside the tile's rows,
+// then zeroes every accumulator (also past the rows) for the next tile.
+template <int TILE_N, class F>
+__device__ __forceinline__ void for_each_tile_value(const WgmmaGemmParams& p, const GroupedTile& t,
+                                                    float (&acc)[TILE_N / 2], int tig, F&& f) {
 #pragma unroll
   for (int j = 0; j < TILE_N / 8; ++j) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int c = 8 * j + 2 * tig + h;
-      if (c < t.rows) {
-        const float sc = p.a_scales_per_row ? p.a_scales[t.row0 + c] : p.a_scales[0];
-        park[c * kParkStride + r0] = __fmul_rn(sc, acc[4 * j + h]);
-        park[c * kParkStride + r1] = __fmul_rn(sc, acc[4 * j + 2 + h]);
-      }
+      if (c < t.rows)
+        f(c, p.a_scales_per_row ? p.a_scales[t.row0 + c] : p.a_scales[0], acc[4 * j + h], acc[4 * j + 2 + h]);
       acc[4 * j + h] = 0.f;
       acc[4 * j + 2 + h] = 0.f;
     }
   }
 }
 
-// The plain epilogue (both kernels): accumulator (row r, token column 8 j + 2 tig + h) of tile t ->
-// D[token, feature] = out(a_scale(token) * acc), then zeroed.
+// The fused activation epilogue's first half (both kernels): this thread's accumulators of tile t
+// into park as h = a_scale(row) * acc, the value the fp32 epilogue stores (__fmul_rn: one rounding,
+// never contracted). Token columns past the tile's rows are not written (act_requant_items reads only
+// t.rows tokens).
+template <int TILE_N>
+__device__ __forceinline__ void park_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
+                                          float* park, int r0, int r1, int tig) {
+  for_each_tile_value<TILE_N>(p, t, acc, tig, [&](int c, float sc, float a0, float a1) {
+    park[c * kParkStride + r0] = __fmul_rn(sc, a0);
+    park[c * kParkStride + r1] = __fmul_rn(sc, a1);
+  });
+}
+
+// The plain epilogue (both kernels): accumulator (row r, token column c) of tile t ->
+// D[token, feature] = out(a_scale(token) * acc).
 template <class OutT, int TILE_N>
 __device__ __forceinline__ void store_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
                                            int r0, int r1, int tig) {
   const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
-#pragma unroll
-  for (int j = 0; j < TILE_N / 8; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int c = 8 * j + 2 * tig + h;
-      if (c < t.rows) {
-        const int64_t row = t.row0 + c;
-        const float sc = p.a_scales_per_row ? p.a_scales[row] : p.a_scales[0];
-        OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
-        if (ok0) store_out(out + r0, sc * acc[4 * j + h]);
-        if (ok1) store_out(out + r1, sc * acc[4 * j + 2 + h]);
-      }
-      acc[4 * j + h] = 0.f;
-      acc[4 * j + 2 + h] = 0.f;
-    }
-  }
+  for_each_tile_value<TILE_N>(p, t, acc, tig, [&](int c, float sc, float a0, float a1) {
+    const int64_t row = t.row0 + c;
+    OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
+    if (ok0) store_out(out + r0, sc * a0);
+    if (ok1) store_out(out + r1, sc * a1);
+  });
 }
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
