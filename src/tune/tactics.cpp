@@ -97,6 +97,15 @@ constexpr int64_t kDecodeN8MaxRowsManyExperts = 7;
 constexpr int64_t kManyExperts = 64;
 constexpr int64_t kDecodeN16MaxRows = 16;
 constexpr int64_t kWgmmaN64MaxRows = 48;
+// The bf16 x 4-bit GEMM's own switches (QMOE_SWEEP_KERNEL=bf16 scripts/device_tactic_sweep.sh, H200,
+// int4 and NVFP4 weights, all 8 model GEMM shapes, bench/results/2026-11-30_s11a_nvidia_h200_bf16_sweep.md):
+// n8 is the fastest at every point up to 6 rows per expert, any expert count (Mixtral 5 rows: 1.13-1.18x
+// faster than n16; 128/256 experts at 6 rows: 1.07-1.18x); at 7 rows n16 ties or wins (Mixtral GEMM2
+// 122 vs 154 us, NVFP4 DeepSeek-V3 GEMM1 1908 vs 1952). n16 beats the 64-token tile up to 24 rows on
+// every shape; at 28 rows they split (Mixtral GEMM1 n16 by 1.5%, GEMM2 the 64-token tile by 11%) and
+// from 32 rows the 64-token tile wins everywhere (1.03-1.14x).
+constexpr int64_t kBf16N8MaxRows = 6;
+constexpr int64_t kBf16N16MaxRows = 24;
 // Decode grids smaller than the GPU: with at most kDecodeN8MaxRows rows per expert, at most
 // min(E, total_rows) experts are hit, each with ceil(N / 128) tiles of 128 weight rows. When that
 // bound is below the SM count of an H100/H200 SXM (132), half-height tiles (64 rows) put twice the
@@ -129,12 +138,9 @@ Tactic select_tactic(const GemmProblem& problem) {
   const int64_t rows_per_expert = (rows + experts - 1) / experts;
   Tactic t;
   if (problem.bf16_activations) {
-    // bf16 x 4-bit GEMM (tests/gpu/bf16_w4_gemm_check.cu --bench, H200, DeepSeek-V3 shapes): n8 is
-    // best at 1-2 rows per expert, n16 at 16 rows, the 64-token tile at 128 rows; between, the W4A8
-    // thresholds (4 and 32 rows) are kept until measured.
-    t = rows_per_expert <= kDecodeN8MaxRows ? make(Family::kDecode, 128, 8, 256)
-        : rows_per_expert <= 32             ? make(Family::kDecode, 128, 16, 256)
-                                            : make(Family::kPrefill, 128, 64, 128);
+    t = rows_per_expert <= kBf16N8MaxRows    ? make(Family::kDecode, 128, 8, 256)
+        : rows_per_expert <= kBf16N16MaxRows ? make(Family::kDecode, 128, 16, 256)
+                                             : make(Family::kPrefill, 128, 64, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     const int64_t hit = rows < experts ? rows : experts;
     const bool small_grid = rows > 0 && hit * ((problem.n + 127) / 128) < kHopperSms;

@@ -147,8 +147,21 @@ TEST(Tactics, Bf16KernelList) {
   for (const auto& t : qmoe::valid_tactics(p)) names.push_back(t.name());
   EXPECT_EQ(names, (std::vector<std::string>{"decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128"}));
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
-  p.total_rows = 128 * 20;
+  // The measured switches (tactics.cpp, kBf16*): n8 up to 6 rows per expert, n16 up to 24.
+  p.total_rows = 128 * 6;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
+  p.total_rows = 128 * 6 + 1;
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
+  p.total_rows = 128 * 24;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
+  p.total_rows = 128 * 24 + 1;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "prefill_m128_n64_k128");
+  p.num_experts = 8;  // no expert-count exception in the bf16 rule
+  p.total_rows = 8 * 6;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
+  p.total_rows = 8 * 7;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
+  p.num_experts = 128;
   p.total_rows = 128 * 200;
   EXPECT_EQ(qmoe::select_tactic(p).name(), "prefill_m128_n64_k128");
   p.k = 2880 + 16;  // not a multiple of 32
