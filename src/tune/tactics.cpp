@@ -41,13 +41,16 @@ Tactic make(Family family, int tile_m, int tile_n, int tile_k) {
 const std::vector<Tactic>& compiled() {
   static const std::vector<Tactic> list = {
       make(Family::kDecode, 128, 8, 256), make(Family::kDecode, 128, 16, 256), make(Family::kDecode, 64, 32, 512),
+      // 128 weight rows x 32 tokens: one token tile for experts of 17-32 rows, where n16 needs two
+      // (each reading and converting the weights again).
+      make(Family::kDecode, 128, 32, 256),
       // 64 weight rows x 8 tokens, 4 groups per stage: twice the CTAs of the n8 tile, for grids that
       // leave SMs idle.
       make(Family::kDecode, 64, 8, 512),
       make(Family::kPrefill, 128, 64, 256),
       // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
       make(Family::kPrefill, 128, 128, 128),
-      // WGMMA with 64-token tiles (two CTAs per SM): chosen for 17-48 rows per expert.
+      // WGMMA with 64-token tiles (two CTAs per SM): chosen for 25-48 rows per expert.
       make(Family::kPrefill, 128, 64, 128),
   };
   return list;
@@ -96,6 +99,12 @@ constexpr int64_t kDecodeN8MaxRows = 4;
 constexpr int64_t kDecodeN8MaxRowsManyExperts = 7;
 constexpr int64_t kManyExperts = 64;
 constexpr int64_t kDecodeN16MaxRows = 16;
+// 128 rows x 32 tokens above 16 rows (tactic sweep, H200, bench/results/2026-11-30_s11b_nvidia_h200_n32_sweep.md):
+// at 24 rows per expert it beats both n16 (two token tiles for most experts) and the WGMMA n64 tile on
+// 7 of 8 shapes (DeepSeek-V3 GEMM1 2309 vs 2732 / 2881 us, Qwen3-235B GEMM1 523 vs 614 / 642, Mixtral
+// GEMM1 311 vs 364 / 373; Qwen3-30B GEMM2 104 vs WGMMA 99); at 16 rows n16 still wins on 7 of 8 and at
+// 32 rows the WGMMA tile wins on all (n32's time is flat until its token tile is full, then doubles).
+constexpr int64_t kDecodeN32MaxRows = 24;
 constexpr int64_t kWgmmaN64MaxRows = 48;
 // The bf16 x 4-bit GEMM's own switches (QMOE_SWEEP_KERNEL=bf16 scripts/device_tactic_sweep.sh, H200,
 // int4 and NVFP4 weights, all 8 model GEMM shapes, bench/results/2026-11-30_s11a_nvidia_h200_bf16_sweep.md):
@@ -147,6 +156,8 @@ Tactic select_tactic(const GemmProblem& problem) {
     t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);
   } else if (rows_per_expert <= kDecodeN16MaxRows) {
     t = make(Family::kDecode, 128, 16, 256);
+  } else if (rows_per_expert <= kDecodeN32MaxRows) {
+    t = make(Family::kDecode, 128, 32, 256);
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {
     t = make(Family::kPrefill, 128, 64, 128);  // WGMMA, 64-token tiles, two CTAs per SM
   } else {

@@ -1,5 +1,5 @@
 // Tests of the W4A8 grouped-GEMM tactics (src/tune/tactics.cpp): the heuristic at each threshold
-// (estimated rows per expert = ceil(total_rows / num_experts): 4, or 7 from 64 experts on | 16 | 48),
+// (estimated rows per expert = ceil(total_rows / num_experts): 4, or 7 from 64 experts on | 16 | 24 | 48),
 // the compiled
 // list, name round trips and errors.
 #include <gtest/gtest.h>
@@ -58,9 +58,16 @@ TEST(Tactics, DecodeN16Boundaries) {
   EXPECT_EQ(chosen(16 * 256), "decode_m128_n16_k256");
 }
 
-TEST(Tactics, WgmmaN64From17To48Rows) {
-  EXPECT_EQ(chosen(16 * 256 + 1), "prefill_m128_n64_k128");
-  EXPECT_EQ(qmoe::select_tactic(problem(16 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
+TEST(Tactics, DecodeN32From17To24Rows) {
+  EXPECT_EQ(chosen(16 * 256 + 1), "decode_m128_n32_k256");
+  EXPECT_EQ(qmoe::select_tactic(problem(16 * 256 + 1)).family, qmoe::Tactic::Family::kDecode);
+  EXPECT_EQ(chosen(24 * 256), "decode_m128_n32_k256");     // DeepSeek-V3 T=768, top-8
+  EXPECT_EQ(chosen(96 * 2, 8), "decode_m128_n32_k256");     // Mixtral T=96: 24 rows per expert
+}
+
+TEST(Tactics, WgmmaN64From25To48Rows) {
+  EXPECT_EQ(chosen(24 * 256 + 1), "prefill_m128_n64_k128");
+  EXPECT_EQ(qmoe::select_tactic(problem(24 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
   EXPECT_EQ(chosen(32 * 256), "prefill_m128_n64_k128");  // DeepSeek-V3 T=1024, top-8
   EXPECT_EQ(chosen(48 * 256), "prefill_m128_n64_k128");  // DeepSeek-V3 T=1536, top-8
 }
@@ -107,7 +114,7 @@ TEST(Tactics, NoValidTacticOutsideLimits) {
 
 TEST(Tactics, NameRoundTrip) {
   auto valid = qmoe::valid_tactics(problem(8));
-  EXPECT_EQ(valid.size(), 7u);
+  EXPECT_EQ(valid.size(), 8u);
   for (const auto& t : valid) {
     EXPECT_EQ(qmoe::parse_tactic(t.name()), t);
     EXPECT_EQ(qmoe::parse_tactic(t.name()).name(), t.name());
