@@ -105,6 +105,12 @@ constexpr int64_t kDecodeN16MaxRows = 16;
 // GEMM1 311 vs 364 / 373; Qwen3-30B GEMM2 104 vs WGMMA 99); at 16 rows n16 still wins on 7 of 8 and at
 // 32 rows the WGMMA tile wins on all (n32's time is flat until its token tile is full, then doubles).
 constexpr int64_t kDecodeN32MaxRows = 24;
+// Wave rule for 13-16 rows: with few experts and a small N the n32 tiles fit in one wave of resident
+// CTAs (two per SM) while n16 would add a second token tile for the experts past 16 rows (about half of
+// them) and with it a second wave. Same sweep: Mixtral GEMM2 (8 experts x 32 tiles = 256 <= 264) at
+// 16 rows n32 141 vs n16 176 us; at 12 rows n16 still wins (134 vs 141: few experts pass 16 rows);
+// Mixtral GEMM1 (8 x 224 tiles: many waves either way) n16 273 vs 297.
+constexpr int64_t kDecodeN32OneWaveMinRows = 13;
 constexpr int64_t kWgmmaN64MaxRows = 48;
 // The bf16 x 4-bit GEMM's own switches (QMOE_SWEEP_KERNEL=bf16 scripts/device_tactic_sweep.sh, H200,
 // int4 and NVFP4 weights, all 8 model GEMM shapes, bench/results/2026-11-30_s11a_nvidia_h200_bf16_sweep.md):
@@ -155,7 +161,9 @@ Tactic select_tactic(const GemmProblem& problem) {
     const bool small_grid = rows > 0 && hit * ((problem.n + 127) / 128) < kHopperSms;
     t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);
   } else if (rows_per_expert <= kDecodeN16MaxRows) {
-    t = make(Family::kDecode, 128, 16, 256);
+    const bool n32_one_wave = rows_per_expert >= kDecodeN32OneWaveMinRows &&
+                              experts * ((problem.n + 127) / 128) <= 2 * kHopperSms;
+    t = n32_one_wave ? make(Family::kDecode, 128, 32, 256) : make(Family::kDecode, 128, 16, 256);
   } else if (rows_per_expert <= kDecodeN32MaxRows) {
     t = make(Family::kDecode, 128, 32, 256);
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {

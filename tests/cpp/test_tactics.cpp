@@ -65,6 +65,21 @@ TEST(Tactics, DecodeN32From17To24Rows) {
   EXPECT_EQ(chosen(96 * 2, 8), "decode_m128_n32_k256");     // Mixtral T=96: 24 rows per expert
 }
 
+// 13-16 rows: n32 when its tiles fit in one wave (two CTAs per SM: <= 264 tiles of 128 rows).
+TEST(Tactics, DecodeN32WhenOneWaveAt13To16Rows) {
+  auto pick = [](int64_t rows, int64_t experts, int64_t n) {
+    return qmoe::select_tactic(problem(rows, experts, n)).name();
+  };
+  EXPECT_EQ(pick(64 * 2, 8, 4096), "decode_m128_n32_k256");   // Mixtral GEMM2, T = 64: 8 x 32 tiles
+  EXPECT_EQ(pick(52 * 2, 8, 4096), "decode_m128_n32_k256");   // 13 rows
+  EXPECT_EQ(pick(48 * 2, 8, 4096), "decode_m128_n16_k256");   // 12 rows
+  EXPECT_EQ(pick(64 * 2, 8, 28672), "decode_m128_n16_k256");  // Mixtral GEMM1: 8 x 224 tiles
+  EXPECT_EQ(pick(16 * 16, 16, 4096), "decode_m128_n16_k256");     // 16 x 32 = 512 tiles > 264
+  EXPECT_EQ(pick(16 * 33, 33, 1024), "decode_m128_n32_k256");      // 33 x 8 = 264: one wave
+  EXPECT_EQ(pick(16 * 34, 34, 1024), "decode_m128_n16_k256");      // 34 x 8 = 272: two
+  EXPECT_EQ(pick(16 * 128, 128, 2048), "decode_m128_n16_k256");    // Qwen3-30B GEMM2, T = 256
+}
+
 TEST(Tactics, WgmmaN64From25To48Rows) {
   EXPECT_EQ(chosen(24 * 256 + 1), "prefill_m128_n64_k128");
   EXPECT_EQ(qmoe::select_tactic(problem(24 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
