@@ -61,7 +61,7 @@ const std::vector<Tactic>& compiled() {
 const std::vector<Tactic>& compiled_bf16() {
   static const std::vector<Tactic> list = {
       make(Family::kDecode, 128, 8, 256), make(Family::kDecode, 128, 16, 256),
-      make(Family::kPrefill, 128, 64, 128),
+      make(Family::kPrefill, 128, 64, 128), make(Family::kDecode, 128, 32, 256),
   };
   return list;
 }
@@ -105,12 +105,15 @@ constexpr int64_t kDecodeN16MaxRows = 16;
 // GEMM1 311 vs 364 / 373; Qwen3-30B GEMM2 104 vs WGMMA 99); at 16 rows n16 still wins on 7 of 8 and at
 // 32 rows the WGMMA tile wins on all (n32's time is flat until its token tile is full, then doubles).
 constexpr int64_t kDecodeN32MaxRows = 24;
-// Wave rule for 13-16 rows: with few experts and a small N the n32 tiles fit in one wave of resident
-// CTAs (two per SM) while n16 would add a second token tile for the experts past 16 rows (about half of
-// them) and with it a second wave. Same sweep: Mixtral GEMM2 (8 experts x 32 tiles = 256 <= 264) at
-// 16 rows n32 141 vs n16 176 us; at 12 rows n16 still wins (134 vs 141: few experts pass 16 rows);
-// Mixtral GEMM1 (8 x 224 tiles: many waves either way) n16 273 vs 297.
-constexpr int64_t kDecodeN32OneWaveMinRows = 13;
+// Wave rule for 14-16 rows: with few experts and a small N the n32 tiles fit in one wave of resident
+// CTAs (two per SM) while n16 adds a second token tile for the experts past 16 rows (about half of them
+// at 16) and with it a second wave. n32's time is flat there, n16's depends on the routing draw (how many
+// experts pass 16 rows). Mixtral GEMM2 (8 experts x 32 tiles = 256 <= 264; sweeps in
+// bench/results/2026-11-30_s11b_nvidia_h200_n32_sweep.md): n32 141 us at 12-16 rows; n16 133 / 121 / 138
+// / 158 / 166 at 12 / 13 / 14 / 15 / 16 rows. Layer (Mixtral, det graph) with the rule vs n16 forced:
+// T = 56 and 60 (14, 15 rows) 421 vs 454 us, T = 52 (13 rows: not taken) and 64 equal within the draw.
+// Mixtral GEMM1 (8 x 224 tiles: many waves either way) stays n16 (273 vs 297 at 16 rows).
+constexpr int64_t kDecodeN32OneWaveMinRows = 14;
 constexpr int64_t kWgmmaN64MaxRows = 48;
 // The bf16 x 4-bit GEMM's own switches (QMOE_SWEEP_KERNEL=bf16 scripts/device_tactic_sweep.sh, H200,
 // int4 and NVFP4 weights, all 8 model GEMM shapes, bench/results/2026-11-30_s11a_nvidia_h200_bf16_sweep.md):
