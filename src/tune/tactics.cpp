@@ -123,7 +123,13 @@ constexpr int64_t kWgmmaN64MaxRows = 48;
 // every shape; at 28 rows they split (Mixtral GEMM1 n16 by 1.5%, GEMM2 the 64-token tile by 11%) and
 // from 32 rows the 64-token tile wins everywhere (1.03-1.14x).
 constexpr int64_t kBf16N8MaxRows = 6;
-constexpr int64_t kBf16N16MaxRows = 24;
+// Its 128 x 32 tile (same sweep, second round: bench/results/2026-11-30_s11c_nvidia_h200_bf16_n32_sweep.md)
+// beats n16 from 16 rows on every shape and format (1.08-1.15x at 16 rows, 1.40-1.52x at 24) and the
+// 64-token tile up to 32 rows (1.11-1.18x at 32 rows except Mixtral GEMM2, 1.16x slower there); at 40
+// rows the 64-token tile wins everywhere. At 12-14 rows n16 wins, except where n32 fits in one wave
+// (the W4A8 wave rule: Mixtral GEMM2 at 14 rows 155 vs 180 us).
+constexpr int64_t kBf16N16MaxRows = 15;
+constexpr int64_t kBf16N32MaxRows = 32;
 // Decode grids smaller than the GPU: with at most kDecodeN8MaxRows rows per expert, at most
 // min(E, total_rows) experts are hit, each with ceil(N / 128) tiles of 128 weight rows. When that
 // bound is below the SM count of an H100/H200 SXM (132), half-height tiles (64 rows) put twice the
@@ -133,6 +139,9 @@ constexpr int64_t kBf16N16MaxRows = 24;
 // 64.6 us: its K = 14336 loop, not the grid, is the limit there; a bit-keeping split-K over clusters
 // was built for it and measured 1.4-9x slower everywhere, then removed: design.md 6.2).
 constexpr int64_t kHopperSms = 132;
+
+// The 128-row tiles of `experts` experts fit in one wave of two CTAs per SM (the n32 tiles' occupancy).
+bool one_wave_of_tiles(int64_t experts, int64_t n) { return experts * ((n + 127) / 128) <= 2 * kHopperSms; }
 
 std::string Tactic::name() const {
   std::string s = family == Family::kDecode ? "decode" : "prefill";
@@ -156,16 +165,17 @@ Tactic select_tactic(const GemmProblem& problem) {
   const int64_t rows_per_expert = (rows + experts - 1) / experts;
   Tactic t;
   if (problem.bf16_activations) {
-    t = rows_per_expert <= kBf16N8MaxRows    ? make(Family::kDecode, 128, 8, 256)
-        : rows_per_expert <= kBf16N16MaxRows ? make(Family::kDecode, 128, 16, 256)
-                                             : make(Family::kPrefill, 128, 64, 128);
+    const bool n32_one_wave = rows_per_expert >= kDecodeN32OneWaveMinRows && one_wave_of_tiles(experts, problem.n);
+    t = rows_per_expert <= kBf16N8MaxRows                     ? make(Family::kDecode, 128, 8, 256)
+        : rows_per_expert <= kBf16N16MaxRows && !n32_one_wave ? make(Family::kDecode, 128, 16, 256)
+        : rows_per_expert <= kBf16N32MaxRows                  ? make(Family::kDecode, 128, 32, 256)
+                                                              : make(Family::kPrefill, 128, 64, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     const int64_t hit = rows < experts ? rows : experts;
     const bool small_grid = rows > 0 && hit * ((problem.n + 127) / 128) < kHopperSms;
     t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);
   } else if (rows_per_expert <= kDecodeN16MaxRows) {
-    const bool n32_one_wave = rows_per_expert >= kDecodeN32OneWaveMinRows &&
-                              experts * ((problem.n + 127) / 128) <= 2 * kHopperSms;
+    const bool n32_one_wave = rows_per_expert >= kDecodeN32OneWaveMinRows && one_wave_of_tiles(experts, problem.n);
     t = n32_one_wave ? make(Family::kDecode, 128, 32, 256) : make(Family::kDecode, 128, 16, 256);
   } else if (rows_per_expert <= kDecodeN32MaxRows) {
     t = make(Family::kDecode, 128, 32, 256);

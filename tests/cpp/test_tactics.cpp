@@ -170,19 +170,27 @@ TEST(Tactics, Bf16KernelList) {
   EXPECT_EQ(names, (std::vector<std::string>{"decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128",
                                               "decode_m128_n32_k256"}));
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
-  // The measured switches (tactics.cpp, kBf16*): n8 up to 6 rows per expert, n16 up to 24.
+  // The measured switches (tactics.cpp, kBf16*): n8 up to 6 rows per expert, n16 up to 15, n32 up to 32.
   p.total_rows = 128 * 6;
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
   p.total_rows = 128 * 6 + 1;
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
-  p.total_rows = 128 * 24;
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
-  p.total_rows = 128 * 24 + 1;
+  p.total_rows = 128 * 15;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");  // 128 x 32 tiles: many waves
+  p.total_rows = 128 * 15 + 1;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n32_k256");
+  p.total_rows = 128 * 32;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n32_k256");
+  p.total_rows = 128 * 32 + 1;
   EXPECT_EQ(qmoe::select_tactic(p).name(), "prefill_m128_n64_k128");
-  p.num_experts = 8;  // no expert-count exception in the bf16 rule
+  p.num_experts = 8;  // no expert-count exception for n8 in the bf16 rule
   p.total_rows = 8 * 6;
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
   p.total_rows = 8 * 7;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
+  p.total_rows = 8 * 14;  // 8 experts x 32 tiles: n32 in one wave (Mixtral GEMM2)
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n32_k256");
+  p.total_rows = 8 * 13;
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
   p.num_experts = 128;
   p.total_rows = 128 * 200;
