@@ -130,6 +130,11 @@ constexpr int64_t kBf16N8MaxRows = 6;
 // (the W4A8 wave rule: Mixtral GEMM2 at 14 rows 155 vs 180 us).
 constexpr int64_t kBf16N16MaxRows = 15;
 constexpr int64_t kBf16N32MaxRows = 32;
+// ... and the converse when the n32 tiles fit in one wave: at 32 rows about half the experts need a second
+// n32 token tile, hence a second wave, where the 64-token tile needs one (Mixtral GEMM2 at 32 rows: 64-token
+// tile 252 / 268 us vs n32 302 / 312 (int4 / NVFP4); at 28 rows n32 still wins, 236 / 243 vs 252 / 267).
+// Layer (w4a4, Mixtral T = 128): n32 for both GEMMs 884 us vs the 64-token tile 837.
+constexpr int64_t kBf16N32MaxRowsOneWave = 28;
 // Decode grids smaller than the GPU: with at most kDecodeN8MaxRows rows per expert, at most
 // min(E, total_rows) experts are hit, each with ceil(N / 128) tiles of 128 weight rows. When that
 // bound is below the SM count of an H100/H200 SXM (132), half-height tiles (64 rows) put twice the
@@ -165,10 +170,12 @@ Tactic select_tactic(const GemmProblem& problem) {
   const int64_t rows_per_expert = (rows + experts - 1) / experts;
   Tactic t;
   if (problem.bf16_activations) {
-    const bool n32_one_wave = rows_per_expert >= kDecodeN32OneWaveMinRows && one_wave_of_tiles(experts, problem.n);
+    const bool one_wave = one_wave_of_tiles(experts, problem.n);
+    const bool n32_one_wave = rows_per_expert >= kDecodeN32OneWaveMinRows && one_wave;
+    const int64_t n32_max_rows = one_wave ? kBf16N32MaxRowsOneWave : kBf16N32MaxRows;
     t = rows_per_expert <= kBf16N8MaxRows                     ? make(Family::kDecode, 128, 8, 256)
         : rows_per_expert <= kBf16N16MaxRows && !n32_one_wave ? make(Family::kDecode, 128, 16, 256)
-        : rows_per_expert <= kBf16N32MaxRows                  ? make(Family::kDecode, 128, 32, 256)
+        : rows_per_expert <= n32_max_rows                     ? make(Family::kDecode, 128, 32, 256)
                                                               : make(Family::kPrefill, 128, 64, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     const int64_t hit = rows < experts ? rows : experts;

@@ -192,6 +192,14 @@ TEST(Tactics, Bf16KernelList) {
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n32_k256");
   p.total_rows = 8 * 13;
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
+  p.total_rows = 8 * 28;  // one wave: n32 up to 28 rows, then the 64-token tile
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n32_k256");
+  p.total_rows = 8 * 28 + 1;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "prefill_m128_n64_k128");
+  p.n = 28672;  // Mixtral GEMM1: 8 x 224 tiles, many waves: n32 up to 32 rows
+  p.total_rows = 8 * 32;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n32_k256");
+  p.n = 4096;
   p.num_experts = 128;
   p.total_rows = 128 * 200;
   EXPECT_EQ(qmoe::select_tactic(p).name(), "prefill_m128_n64_k128");
