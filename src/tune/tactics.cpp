@@ -44,6 +44,8 @@ const std::vector<Tactic>& compiled() {
       // 128 weight rows x 32 tokens: one token tile for experts of 17-32 rows, where n16 needs two
       // (each reading and converting the weights again).
       make(Family::kDecode, 128, 32, 256),
+      // 128 weight rows x 24 tokens: one token tile up to 24 rows at a lower cost per tile than n32.
+      make(Family::kDecode, 128, 24, 256),
       // 64 weight rows x 8 tokens, 4 groups per stage: twice the CTAs of the n8 tile, for grids that
       // leave SMs idle.
       make(Family::kDecode, 64, 8, 512),
@@ -61,7 +63,7 @@ const std::vector<Tactic>& compiled() {
 const std::vector<Tactic>& compiled_bf16() {
   static const std::vector<Tactic> list = {
       make(Family::kDecode, 128, 8, 256), make(Family::kDecode, 128, 16, 256),
-      make(Family::kPrefill, 128, 64, 128), make(Family::kDecode, 128, 32, 256),
+      make(Family::kPrefill, 128, 64, 128), make(Family::kDecode, 128, 32, 256), make(Family::kDecode, 128, 24, 256),
   };
   return list;
 }
@@ -98,22 +100,21 @@ constexpr int64_t kDecodeN8MaxRows = 4;
 // the slowest expert sets the time. Hence up to 7 rows from 64 experts on.
 constexpr int64_t kDecodeN8MaxRowsManyExperts = 7;
 constexpr int64_t kManyExperts = 64;
-constexpr int64_t kDecodeN16MaxRows = 16;
-// 128 rows x 32 tokens above 16 rows (tactic sweep, H200, bench/results/2026-11-30_s11b_nvidia_h200_n32_sweep.md):
-// at 24 rows per expert it beats both n16 (two token tiles for most experts) and the WGMMA n64 tile on
-// 7 of 8 shapes (DeepSeek-V3 GEMM1 2309 vs 2732 / 2881 us, Qwen3-235B GEMM1 523 vs 614 / 642, Mixtral
-// GEMM1 311 vs 364 / 373; Qwen3-30B GEMM2 104 vs WGMMA 99); at 16 rows n16 still wins on 7 of 8 and at
-// 32 rows the WGMMA tile wins on all (n32's time is flat until its token tile is full, then doubles).
+constexpr int64_t kDecodeN16MaxRows = 14;
+// 128 x 24 and 128 x 32 tiles above (tactic sweeps, H200, bench/results/2026-11-30_s11b_nvidia_h200_n32_sweep.md
+// and 2026-11-30_s11f_nvidia_h200_n24_sweep.md). n16 needs a second token tile for every expert past 16 rows;
+// n24 costs ~1.1x n16 per tile and covers 24 rows, n32 ~1.5x and covers 32:
+//   12 rows: n16 fastest on 7 of 8 shapes (n24 1.07-1.12x slower); 14 rows: n16 and n24 within 2%;
+//   16 rows: n24 1.10-1.19x faster than n16; 18 and 20 rows: n24 1.11-1.27x faster than n32;
+//   24 rows: n32 1.10-1.25x faster than n16 and the WGMMA n64 tile; 32 rows: the WGMMA tile wins.
+constexpr int64_t kDecodeN24MaxRows = 20;
 constexpr int64_t kDecodeN32MaxRows = 24;
-// Wave rule for 14-16 rows: with few experts and a small N the n32 tiles fit in one wave of resident
-// CTAs (two per SM) while n16 adds a second token tile for the experts past 16 rows (about half of them
-// at 16) and with it a second wave. n32's time is flat there, n16's depends on the routing draw (how many
-// experts pass 16 rows). Mixtral GEMM2 (8 experts x 32 tiles = 256 <= 264; sweeps in
-// bench/results/2026-11-30_s11b_nvidia_h200_n32_sweep.md): n32 141 us at 12-16 rows; n16 133 / 121 / 138
-// / 158 / 166 at 12 / 13 / 14 / 15 / 16 rows. Layer (Mixtral, det graph) with the rule vs n16 forced:
-// T = 56 and 60 (14, 15 rows) 421 vs 454 us, T = 52 (13 rows: not taken) and 64 equal within the draw.
-// Mixtral GEMM1 (8 x 224 tiles: many waves either way) stays n16 (273 vs 297 at 16 rows).
-constexpr int64_t kDecodeN32OneWaveMinRows = 14;
+// Where the 128-row tiles of all experts fit in one wave (few experts, small N: Mixtral's GEMM2, 8 x 32
+// tiles <= 2 CTAs x 132 SMs) the slowest expert sets the time, and a second token tile is a second wave:
+// n24 from 12 rows (Mixtral GEMM2 12-18 rows: n24 108-123 us, n16 132-175, n32 141) up to 18 (at 20
+// rows n32 141 vs n24 151).
+constexpr int64_t kDecodeN24OneWaveMinRows = 12;
+constexpr int64_t kDecodeN24OneWaveMaxRows = 18;
 constexpr int64_t kWgmmaN64MaxRows = 48;
 // The bf16 x 4-bit GEMM's own switches (QMOE_SWEEP_KERNEL=bf16 scripts/device_tactic_sweep.sh, H200,
 // int4 and NVFP4 weights, all 8 model GEMM shapes, bench/results/2026-11-30_s11a_nvidia_h200_bf16_sweep.md):
@@ -123,17 +124,16 @@ constexpr int64_t kWgmmaN64MaxRows = 48;
 // every shape; at 28 rows they split (Mixtral GEMM1 n16 by 1.5%, GEMM2 the 64-token tile by 11%) and
 // from 32 rows the 64-token tile wins everywhere (1.03-1.14x).
 constexpr int64_t kBf16N8MaxRows = 6;
-// Its 128 x 32 tile (same sweep, second round: bench/results/2026-11-30_s11c_nvidia_h200_bf16_n32_sweep.md)
-// beats n16 from 16 rows on every shape and format (1.08-1.15x at 16 rows, 1.40-1.52x at 24) and the
-// 64-token tile up to 32 rows (1.11-1.18x at 32 rows except Mixtral GEMM2, 1.16x slower there); at 40
-// rows the 64-token tile wins everywhere. At 12-14 rows n16 wins, except where n32 fits in one wave
-// (the W4A8 wave rule: Mixtral GEMM2 at 14 rows 155 vs 180 us).
-constexpr int64_t kBf16N16MaxRows = 15;
+// Its 128 x 24 and 128 x 32 tiles (same sweeps, bench/results/2026-11-30_s11c_* and s11f_*): n16 wins at
+// 12 rows (n24 up to 1.12x slower), n24 at 14-18 rows on every shape and format (1.05-1.12x over the
+// next best), n32 at 20-32 rows (1.08-1.52x over n16, 1.11-1.18x over the 64-token tile at 32 rows);
+// at 40 rows the 64-token tile wins everywhere. Where the n32 tiles fit in one wave, at 32 rows about
+// half the experts need a second n32 token tile (a second wave) where the 64-token tile needs one:
+// Mixtral GEMM2 at 32 rows 64-token tile 252 / 268 us vs n32 302 / 312 (int4 / NVFP4), at 28 rows n32
+// 236 / 243 vs 252 / 267.
+constexpr int64_t kBf16N16MaxRows = 13;
+constexpr int64_t kBf16N24MaxRows = 18;
 constexpr int64_t kBf16N32MaxRows = 32;
-// ... and the converse when the n32 tiles fit in one wave: at 32 rows about half the experts need a second
-// n32 token tile, hence a second wave, where the 64-token tile needs one (Mixtral GEMM2 at 32 rows: 64-token
-// tile 252 / 268 us vs n32 302 / 312 (int4 / NVFP4); at 28 rows n32 still wins, 236 / 243 vs 252 / 267).
-// Layer (w4a4, Mixtral T = 128): n32 for both GEMMs 884 us vs the 64-token tile 837.
 constexpr int64_t kBf16N32MaxRowsOneWave = 28;
 // Decode grids smaller than the GPU: with at most kDecodeN8MaxRows rows per expert, at most
 // min(E, total_rows) experts are hit, each with ceil(N / 128) tiles of 128 weight rows. When that
@@ -171,19 +171,22 @@ Tactic select_tactic(const GemmProblem& problem) {
   Tactic t;
   if (problem.bf16_activations) {
     const bool one_wave = one_wave_of_tiles(experts, problem.n);
-    const bool n32_one_wave = rows_per_expert >= kDecodeN32OneWaveMinRows && one_wave;
-    const int64_t n32_max_rows = one_wave ? kBf16N32MaxRowsOneWave : kBf16N32MaxRows;
-    t = rows_per_expert <= kBf16N8MaxRows                     ? make(Family::kDecode, 128, 8, 256)
-        : rows_per_expert <= kBf16N16MaxRows && !n32_one_wave ? make(Family::kDecode, 128, 16, 256)
-        : rows_per_expert <= n32_max_rows                     ? make(Family::kDecode, 128, 32, 256)
-                                                              : make(Family::kPrefill, 128, 64, 128);
+    t = rows_per_expert <= kBf16N8MaxRows                                             ? make(Family::kDecode, 128, 8, 256)
+        : rows_per_expert <= kBf16N16MaxRows                                          ? make(Family::kDecode, 128, 16, 256)
+        : rows_per_expert <= kBf16N24MaxRows                                          ? make(Family::kDecode, 128, 24, 256)
+        : rows_per_expert <= (one_wave ? kBf16N32MaxRowsOneWave : kBf16N32MaxRows) ? make(Family::kDecode, 128, 32, 256)
+                                                                                      : make(Family::kPrefill, 128, 64, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     const int64_t hit = rows < experts ? rows : experts;
     const bool small_grid = rows > 0 && hit * ((problem.n + 127) / 128) < kHopperSms;
     t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);
+  } else if (one_wave_of_tiles(experts, problem.n) && rows_per_expert >= kDecodeN24OneWaveMinRows &&
+             rows_per_expert <= kDecodeN24OneWaveMaxRows) {
+    t = make(Family::kDecode, 128, 24, 256);
   } else if (rows_per_expert <= kDecodeN16MaxRows) {
-    const bool n32_one_wave = rows_per_expert >= kDecodeN32OneWaveMinRows && one_wave_of_tiles(experts, problem.n);
-    t = n32_one_wave ? make(Family::kDecode, 128, 32, 256) : make(Family::kDecode, 128, 16, 256);
+    t = make(Family::kDecode, 128, 16, 256);
+  } else if (rows_per_expert <= kDecodeN24MaxRows && !one_wave_of_tiles(experts, problem.n)) {
+    t = make(Family::kDecode, 128, 24, 256);
   } else if (rows_per_expert <= kDecodeN32MaxRows) {
     t = make(Family::kDecode, 128, 32, 256);
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {

@@ -1,10 +1,11 @@
 // Tests of the W4A8 grouped-GEMM tactics (src/tune/tactics.cpp): the heuristic at each threshold
-// (estimated rows per expert = ceil(total_rows / num_experts): 4, or 7 from 64 experts on | 16 | 24 | 48),
+// (estimated rows per expert = ceil(total_rows / num_experts): 4, or 7 from 64 experts on | 14 | 20 | 24 | 48),
 // the compiled
 // list, name round trips and errors.
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "qmoe/error.h"
@@ -55,29 +56,34 @@ TEST(Tactics, DecodeN16Boundaries) {
   EXPECT_EQ(chosen(7 * 256 + 1), "decode_m128_n16_k256");
   EXPECT_EQ(chosen(7 * 64 + 1, 64), "decode_m128_n16_k256");
   EXPECT_EQ(chosen(8 * 256), "decode_m128_n16_k256");
-  EXPECT_EQ(chosen(16 * 256), "decode_m128_n16_k256");
+  EXPECT_EQ(chosen(14 * 256), "decode_m128_n16_k256");
 }
 
-TEST(Tactics, DecodeN32From17To24Rows) {
-  EXPECT_EQ(chosen(16 * 256 + 1), "decode_m128_n32_k256");
-  EXPECT_EQ(qmoe::select_tactic(problem(16 * 256 + 1)).family, qmoe::Tactic::Family::kDecode);
+TEST(Tactics, DecodeN24From15To20RowsThenN32To24) {
+  EXPECT_EQ(chosen(14 * 256), "decode_m128_n16_k256");
+  EXPECT_EQ(chosen(14 * 256 + 1), "decode_m128_n24_k256");
+  EXPECT_EQ(qmoe::select_tactic(problem(14 * 256 + 1)).family, qmoe::Tactic::Family::kDecode);
+  EXPECT_EQ(chosen(20 * 256), "decode_m128_n24_k256");     // DeepSeek-V3 T=640, top-8
+  EXPECT_EQ(chosen(20 * 256 + 1), "decode_m128_n32_k256");
   EXPECT_EQ(chosen(24 * 256), "decode_m128_n32_k256");     // DeepSeek-V3 T=768, top-8
   EXPECT_EQ(chosen(96 * 2, 8), "decode_m128_n32_k256");     // Mixtral T=96: 24 rows per expert
 }
 
-// 14-16 rows: n32 when its tiles fit in one wave (two CTAs per SM: <= 264 tiles of 128 rows).
-TEST(Tactics, DecodeN32WhenOneWaveAt14To16Rows) {
+// Tiles of all experts in one wave (two CTAs per SM: <= 264 tiles of 128 rows): n24 at 12-18 rows.
+TEST(Tactics, DecodeN24WhenOneWaveAt12To18Rows) {
   auto pick = [](int64_t rows, int64_t experts, int64_t n) {
     return qmoe::select_tactic(problem(rows, experts, n)).name();
   };
-  EXPECT_EQ(pick(64 * 2, 8, 4096), "decode_m128_n32_k256");   // Mixtral GEMM2, T = 64: 8 x 32 tiles
-  EXPECT_EQ(pick(56 * 2, 8, 4096), "decode_m128_n32_k256");   // 14 rows
-  EXPECT_EQ(pick(52 * 2, 8, 4096), "decode_m128_n16_k256");   // 13 rows
-  EXPECT_EQ(pick(64 * 2, 8, 28672), "decode_m128_n16_k256");  // Mixtral GEMM1: 8 x 224 tiles
-  EXPECT_EQ(pick(16 * 16, 16, 4096), "decode_m128_n16_k256");     // 16 x 32 = 512 tiles > 264
-  EXPECT_EQ(pick(16 * 33, 33, 1024), "decode_m128_n32_k256");      // 33 x 8 = 264: one wave
-  EXPECT_EQ(pick(16 * 34, 34, 1024), "decode_m128_n16_k256");      // 34 x 8 = 272: two
-  EXPECT_EQ(pick(16 * 128, 128, 2048), "decode_m128_n16_k256");    // Qwen3-30B GEMM2, T = 256
+  EXPECT_EQ(pick(64 * 2, 8, 4096), "decode_m128_n24_k256");   // Mixtral GEMM2, T = 64: 8 x 32 tiles
+  EXPECT_EQ(pick(48 * 2, 8, 4096), "decode_m128_n24_k256");   // 12 rows
+  EXPECT_EQ(pick(44 * 2, 8, 4096), "decode_m128_n16_k256");   // 11 rows
+  EXPECT_EQ(pick(72 * 2, 8, 4096), "decode_m128_n24_k256");   // 18 rows
+  EXPECT_EQ(pick(76 * 2, 8, 4096), "decode_m128_n32_k256");   // 19 rows
+  EXPECT_EQ(pick(64 * 2, 8, 28672), "decode_m128_n24_k256");  // Mixtral GEMM1 (8 x 224 tiles): the general rule
+  EXPECT_EQ(pick(48 * 2, 8, 28672), "decode_m128_n16_k256");  // ... n16 at 12 rows there
+  EXPECT_EQ(pick(12 * 33, 33, 1024), "decode_m128_n24_k256");      // 33 x 8 = 264: one wave
+  EXPECT_EQ(pick(12 * 34, 34, 1024), "decode_m128_n16_k256");      // 34 x 8 = 272: two
+  EXPECT_EQ(pick(12 * 128, 128, 2048), "decode_m128_n16_k256");    // Qwen3-30B GEMM2, T = 192
 }
 
 TEST(Tactics, WgmmaN64From25To48Rows) {
@@ -129,7 +135,7 @@ TEST(Tactics, NoValidTacticOutsideLimits) {
 
 TEST(Tactics, NameRoundTrip) {
   auto valid = qmoe::valid_tactics(problem(8));
-  EXPECT_EQ(valid.size(), 8u);
+  EXPECT_EQ(valid.size(), 9u);
   for (const auto& t : valid) {
     EXPECT_EQ(qmoe::parse_tactic(t.name()), t);
     EXPECT_EQ(qmoe::parse_tactic(t.name()).name(), t.name());
@@ -168,34 +174,24 @@ TEST(Tactics, Bf16KernelList) {
   std::vector<std::string> names;
   for (const auto& t : qmoe::valid_tactics(p)) names.push_back(t.name());
   EXPECT_EQ(names, (std::vector<std::string>{"decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128",
-                                              "decode_m128_n32_k256"}));
+                                              "decode_m128_n32_k256", "decode_m128_n24_k256"}));
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
-  // The measured switches (tactics.cpp, kBf16*): n8 up to 6 rows per expert, n16 up to 15, n32 up to 32.
-  p.total_rows = 128 * 6;
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
-  p.total_rows = 128 * 6 + 1;
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
-  p.total_rows = 128 * 15;
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");  // 128 x 32 tiles: many waves
-  p.total_rows = 128 * 15 + 1;
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n32_k256");
-  p.total_rows = 128 * 32;
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n32_k256");
-  p.total_rows = 128 * 32 + 1;
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "prefill_m128_n64_k128");
-  p.num_experts = 8;  // no expert-count exception for n8 in the bf16 rule
-  p.total_rows = 8 * 6;
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
-  p.total_rows = 8 * 7;
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
-  p.total_rows = 8 * 14;  // 8 experts x 32 tiles: n32 in one wave (Mixtral GEMM2)
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n32_k256");
-  p.total_rows = 8 * 13;
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
-  p.total_rows = 8 * 28;  // one wave: n32 up to 28 rows, then the 64-token tile
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n32_k256");
-  p.total_rows = 8 * 28 + 1;
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "prefill_m128_n64_k128");
+  // The measured switches (tactics.cpp, kBf16*): n8 up to 6 rows per expert, n16 up to 13, n24 up to
+  // 18, n32 up to 32 (28 where its tiles fit in one wave).
+  for (const auto& [rows, name] : std::vector<std::pair<int64_t, std::string>>{
+           {6, "decode_m128_n8_k256"}, {7, "decode_m128_n16_k256"}, {13, "decode_m128_n16_k256"},
+           {14, "decode_m128_n24_k256"}, {18, "decode_m128_n24_k256"}, {19, "decode_m128_n32_k256"},
+           {32, "decode_m128_n32_k256"}, {33, "prefill_m128_n64_k128"}}) {
+    p.total_rows = 128 * rows;
+    EXPECT_EQ(qmoe::select_tactic(p).name(), name) << rows << " rows";
+  }
+  p.num_experts = 8;  // 8 experts x 32 tiles: one wave
+  for (const auto& [rows, name] : std::vector<std::pair<int64_t, std::string>>{
+           {6, "decode_m128_n8_k256"}, {7, "decode_m128_n16_k256"}, {14, "decode_m128_n24_k256"},
+           {28, "decode_m128_n32_k256"}, {29, "prefill_m128_n64_k128"}}) {
+    p.total_rows = 8 * rows;
+    EXPECT_EQ(qmoe::select_tactic(p).name(), name) << rows << " rows, one wave";
+  }
   p.n = 28672;  // Mixtral GEMM1: 8 x 224 tiles, many waves: n32 up to 32 rows
   p.total_rows = 8 * 32;
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n32_k256");

@@ -48,7 +48,7 @@ void launch_out(const Bf16W4Params& params, bool fp32_out, int64_t rows, int dev
 //   decode n8/n16 : 128 rows, 2 groups per stage (128-byte runs of each weight row), 4 stages, 2 CTAs/SM
 //                   (n8 with many tiles: 3 stages x 3 CTAs/SM, n8_tiles_fill_three_per_sm; H200,
 //                   bench/results/2026-11-30_s5a_*: 5-8% faster at T = 8-64)
-//   decode n32    : n16's warps with four token fragments, 3 stages (32 KB each) so that two CTAs fit
+//   decode n24/n32: n16's warps with three / four token fragments, 3 stages so that two CTAs fit
 //   prefill n64   : 2 x 2 warps of 64 rows x 32 tokens, 1 group per stage (bf16 activations are 4x
 //                   the weight bytes), 4 stages, 2 CTAs/SM
 template <W4Format F>
@@ -66,6 +66,8 @@ void launch_format(const Bf16W4Params& params, const Tactic& tactic, bool fp32_o
       launch_out<F, 4, 1, 2, 1, 2, 4, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 16, 256)) {
     launch_out<F, 4, 1, 2, 2, 2, 4, 2>(params, fp32_out, rows, device, stream);
+  } else if (is(Family::kDecode, 128, 24, 256)) {
+    launch_out<F, 4, 1, 2, 3, 2, 3, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 32, 256)) {
     launch_out<F, 4, 1, 2, 4, 2, 3, 2>(params, fp32_out, rows, device, stream);  // 3 stages: two CTAs fit
   } else if (is(Family::kPrefill, 128, 64, 128)) {

@@ -167,6 +167,8 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   //                  x 3 CTAs: slower.
   //   decode m64 n8: for grids below one CTA per SM: 2 M-warps of 32 rows x 2 K warps, 4 groups per
   //                  stage (256-byte runs of each weight row), 4 stages: Mixtral GEMM2 T = 1 64 -> 44 us.
+  //   decode m128 n24: 128 rows x 24 tokens (three token fragments), 4 stages, 252 registers, no spill:
+  //                  1.10-1.27x faster than n16 / n32 at 16-20 rows per expert (bench/results/2026-11-30_s11f_*).
   //   decode m128 n32: 128 rows x 32 tokens (n16's warps with 4 token fragments), 3 stages so that two
   //                  CTAs fit: 1.10-1.25x faster than n16 or the WGMMA n64 tile at 24 rows per expert
   //                  (bench/results/2026-11-30_s11b_nvidia_h200_n32_sweep.md).
@@ -183,6 +185,8 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     launch<2, 1, 4, 2, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 32, 256)) {
     launch<2, 1, 4, 4, 2, 3, 2, 2>(params, fp32_out, rows, device, stream);  // 3 stages: two CTAs fit (~95 KB each)
+  } else if (is(Family::kDecode, 128, 24, 256)) {
+    launch<2, 1, 4, 3, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 64, 8, 512)) {
     launch<2, 1, 2, 1, 4, 4, 2, 2>(params, fp32_out, rows, device, stream);  // n8 at half height
   } else if (is(Family::kDecode, 64, 32, 512)) {
@@ -202,7 +206,7 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
 bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activation activation) {
   using Family = Tactic::Family;
   const bool decode = is_tactic(tactic, Family::kDecode, 128, 8, 256) || is_tactic(tactic, Family::kDecode, 128, 16, 256) ||
-                      is_tactic(tactic, Family::kDecode, 128, 32, 256) ||
+                      is_tactic(tactic, Family::kDecode, 128, 24, 256) || is_tactic(tactic, Family::kDecode, 128, 32, 256) ||
                       is_tactic(tactic, Family::kDecode, 64, 8, 512) || is_tactic(tactic, Family::kDecode, 64, 32, 512);
   if (!(decode || is_wgmma(tactic)) || inter <= 0) return false;
   // Gated: a tile's F = TILE_M / 2 (64 or 32) features never straddle I nor an interleaved 64-group.
@@ -245,6 +249,8 @@ void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cu
     launch_typed<ActE4m3, 2, 1, 4, 1, 2, 4, 2, 2>(params, rows, device, stream);
   } else if (is_tactic(tactic, Family::kDecode, 128, 16, 256)) {
     launch_typed<ActE4m3, 2, 1, 4, 2, 2, 4, 2, 2>(params, rows, device, stream);
+  } else if (is_tactic(tactic, Family::kDecode, 128, 24, 256)) {
+    launch_typed<ActE4m3, 2, 1, 4, 3, 2, 4, 2, 2>(params, rows, device, stream);
   } else if (is_tactic(tactic, Family::kDecode, 128, 32, 256)) {
     launch_typed<ActE4m3, 2, 1, 4, 4, 2, 3, 2, 2>(params, rows, device, stream);
   } else if (is_tactic(tactic, Family::kDecode, 64, 8, 512)) {

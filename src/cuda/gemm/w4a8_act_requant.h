@@ -8,7 +8,7 @@
 // cuda/fused/activation_math.cuh, so A2 and s2 are bit for bit those of GEMM1 (fp32 h) followed by
 // fused::activation_requant. h is never written. a2 = a2_scale[0] (static: fc2_input_scale).
 //
-// The mma.sync decode tactics have it (decode_m128_n8_k256, decode_m128_n16_k256, decode_m128_n32_k256,
+// The mma.sync decode tactics have it (decode_m128_n8_k256, decode_m128_n16_k256, decode_m128_n24_k256, decode_m128_n32_k256,
 // decode_m64_n8_k512, decode_m64_n32_k512), and the WGMMA tiles (prefill_m128_n128_k128, prefill_m128_n64_k128: h parked
 // in shared memory, the same items: act_requant_items.cuh); gated activations need I % 64 == 0 (both
 // layouts; the W4A8 pipeline's GEMM2 already needs I % 128 == 0). act_requant_supported() says whether
