@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every W4A8 GEMM tactic at the model shapes, token counts between the bench's defaults (where the
-# heuristic switches tiles: 4 (7 from 64 experts on), 16, 48 rows per expert). One table: us per tactic (back-to-back launches,
+# heuristic switches tiles: 4 (7 from 64 experts on), 14, 20, 24, 48 rows per expert; src/tune/tactics.cpp). One table: us per tactic (back-to-back launches,
 # tests/gpu/w4a8_gemm_check.cu --bench-only with QMOE_BENCH_BATCH=1), the heuristic's pick (*) and
 # the fastest (<). Input for src/tune/tactics.cpp's thresholds. About a minute on an H200 after the build.
 # Usage (device, carry .dev/cutlass): bash scripts/device_tactic_sweep.sh   (QMOE_SKIP_BUILD=1 reuses build/device)
