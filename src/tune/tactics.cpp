@@ -145,8 +145,10 @@ constexpr int64_t kBf16N32MaxRowsOneWave = 28;
 // was built for it and measured 1.4-9x slower everywhere, then removed: design.md 6.2).
 constexpr int64_t kHopperSms = 132;
 
-// The 128-row tiles of `experts` experts fit in one wave of two CTAs per SM (the n32 tiles' occupancy).
+namespace {
+// The 128-row tiles of `experts` experts fit in one wave of two CTAs per SM (the n24 / n32 tiles' occupancy).
 bool one_wave_of_tiles(int64_t experts, int64_t n) { return experts * ((n + 127) / 128) <= 2 * kHopperSms; }
+}  // namespace
 
 std::string Tactic::name() const {
   std::string s = family == Family::kDecode ? "decode" : "prefill";
