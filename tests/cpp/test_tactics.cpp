@@ -111,6 +111,26 @@ TEST(Tactics, EstimateUsesExpertCount) {
   EXPECT_EQ(chosen(33, 8), "decode_m128_n16_k256");
 }
 
+// More rows per expert never pick a smaller token tile (for a fixed model shape), in both GEMMs: the
+// thresholds stay ordered whatever the expert count and N (one-wave rules included).
+TEST(Tactics, TokenTileGrowsWithRows) {
+  for (bool bf16 : {false, true}) {
+    for (int64_t experts : {1, 8, 16, 33, 34, 64, 128, 256, 1024}) {
+      for (int64_t n : {256, 1024, 2048, 4096, 7168, 28672}) {
+        int last = 0;
+        for (int64_t rows_per_expert = 1; rows_per_expert <= 200; ++rows_per_expert) {
+          auto p = problem(rows_per_expert * experts, experts, n);
+          p.bf16_activations = bf16;
+          const qmoe::Tactic t = qmoe::select_tactic(p);
+          EXPECT_GE(t.tile_n, last) << (bf16 ? "bf16 " : "w4a8 ") << experts << " experts, N " << n << ", "
+                                    << rows_per_expert << " rows: " << t.name();
+          last = t.tile_n;
+        }
+      }
+    }
+  }
+}
+
 TEST(Tactics, SelectIsPure) {
   for (int64_t rows : {1, 9, 4097, 70000}) EXPECT_EQ(qmoe::select_tactic(problem(rows)), qmoe::select_tactic(problem(rows)));
 }
