@@ -170,9 +170,9 @@ Tactic select_tactic(const GemmProblem& problem) {
   const int64_t experts = problem.num_experts > 0 ? problem.num_experts : 1;
   const int64_t rows = problem.total_rows > 0 ? problem.total_rows : 0;
   const int64_t rows_per_expert = (rows + experts - 1) / experts;
+  const bool one_wave = one_wave_of_tiles(experts, problem.n);
   Tactic t;
   if (problem.bf16_activations) {
-    const bool one_wave = one_wave_of_tiles(experts, problem.n);
     t = rows_per_expert <= kBf16N8MaxRows                                             ? make(Family::kDecode, 128, 8, 256)
         : rows_per_expert <= kBf16N16MaxRows                                          ? make(Family::kDecode, 128, 16, 256)
         : rows_per_expert <= kBf16N24MaxRows                                          ? make(Family::kDecode, 128, 24, 256)
@@ -182,12 +182,11 @@ Tactic select_tactic(const GemmProblem& problem) {
     const int64_t hit = rows < experts ? rows : experts;
     const bool small_grid = rows > 0 && hit * ((problem.n + 127) / 128) < kHopperSms;
     t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);
-  } else if (one_wave_of_tiles(experts, problem.n) && rows_per_expert >= kDecodeN24OneWaveMinRows &&
-             rows_per_expert <= kDecodeN24OneWaveMaxRows) {
+  } else if (one_wave && rows_per_expert >= kDecodeN24OneWaveMinRows && rows_per_expert <= kDecodeN24OneWaveMaxRows) {
     t = make(Family::kDecode, 128, 24, 256);
   } else if (rows_per_expert <= kDecodeN16MaxRows) {
     t = make(Family::kDecode, 128, 16, 256);
-  } else if (rows_per_expert <= kDecodeN24MaxRows && !one_wave_of_tiles(experts, problem.n)) {
+  } else if (rows_per_expert <= kDecodeN24MaxRows && !one_wave) {
     t = make(Family::kDecode, 128, 24, 256);
   } else if (rows_per_expert <= kDecodeN32MaxRows) {
     t = make(Family::kDecode, 128, 32, 256);
