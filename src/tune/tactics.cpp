@@ -146,8 +146,10 @@ constexpr int64_t kBf16N32MaxRowsOneWave = 28;
 constexpr int64_t kHopperSms = 132;
 
 namespace {
+// Feature tiles of 128 weight rows per expert.
+int64_t feature_tiles(int64_t n) { return (n + 127) / 128; }
 // The 128-row tiles of `experts` experts fit in one wave of two CTAs per SM (the n24 / n32 tiles' occupancy).
-bool one_wave_of_tiles(int64_t experts, int64_t n) { return experts * ((n + 127) / 128) <= 2 * kHopperSms; }
+bool one_wave_of_tiles(int64_t experts, int64_t n) { return experts * feature_tiles(n) <= 2 * kHopperSms; }
 }  // namespace
 
 std::string Tactic::name() const {
@@ -180,7 +182,7 @@ Tactic select_tactic(const GemmProblem& problem) {
                                                                                       : make(Family::kPrefill, 128, 64, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     const int64_t hit = rows < experts ? rows : experts;
-    const bool small_grid = rows > 0 && hit * ((problem.n + 127) / 128) < kHopperSms;
+    const bool small_grid = rows > 0 && hit * feature_tiles(problem.n) < kHopperSms;
     t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);
   } else if (one_wave && rows_per_expert >= kDecodeN24OneWaveMinRows && rows_per_expert <= kDecodeN24OneWaveMaxRows) {
     t = make(Family::kDecode, 128, 24, 256);

@@ -183,10 +183,10 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
       launch<2, 1, 4, 1, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 16, 256)) {
     launch<2, 1, 4, 2, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
-  } else if (is(Family::kDecode, 128, 32, 256)) {
-    launch<2, 1, 4, 4, 2, 3, 2, 2>(params, fp32_out, rows, device, stream);  // 3 stages: two CTAs fit (~95 KB each)
   } else if (is(Family::kDecode, 128, 24, 256)) {
     launch<2, 1, 4, 3, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
+  } else if (is(Family::kDecode, 128, 32, 256)) {
+    launch<2, 1, 4, 4, 2, 3, 2, 2>(params, fp32_out, rows, device, stream);  // 3 stages: two CTAs fit (~95 KB each)
   } else if (is(Family::kDecode, 64, 8, 512)) {
     launch<2, 1, 2, 1, 4, 4, 2, 2>(params, fp32_out, rows, device, stream);  // n8 at half height
   } else if (is(Family::kDecode, 64, 32, 512)) {
