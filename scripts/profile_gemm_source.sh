@@ -20,7 +20,7 @@ for c in $CASES; do
   name="gemm${gemm}_T${t}_${tactic}"
   echo "== $name"
   QMOE_BENCH_GEMM=$gemm QMOE_BENCH_T=$t QMOE_BENCH_TACTIC=$tactic QMOE_BENCH_BATCH=1 \
-    timeout 300 "$NCU" --clock-control none -k regex:"sm90_grouped_gemm|wgmma" --launch-skip 3 --launch-count 1 \
+    timeout 300 "$NCU" --clock-control none --kernel-name-base demangled -k regex:"sm90_grouped_gemm|wgmma" --launch-skip 3 --launch-count 1 \
     --section SourceCounters --section WarpStateStats --section SpeedOfLight --import-source no \
     -f -o "$REP/$name" build/w4a8_check --bench-only > "$REP/$name.log" 2>&1
   echo "ncu rc=$? $(tail -n 2 "$REP/$name.log" | tr '\n' ' ' | cut -c1-200)"
