@@ -24,6 +24,9 @@ smsp__average_warp_latency_issue_stalled_lg_throttle.ratio,smsp__average_warp_la
 smsp__average_warp_latency_issue_stalled_membar.ratio,smsp__average_warp_latency_issue_stalled_misc.ratio,\
 sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,\
 sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,sm__cycles_elapsed.avg,\
+sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,\
+l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__throughput.avg.pct_of_peak_sustained_active,\
+lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex.sum,smsp__cycles_active.avg,\
 gpu__time_duration.sum
 for c in $CASES; do
   IFS=: read -r gemm t tactic <<<"$c"
@@ -34,5 +37,5 @@ for c in $CASES; do
     --metrics "$METRICS" --csv build/w4a8_check --bench-only > "$OUT/ncu_$name.csv" 2> "$OUT/ncu_$name.err"
   echo "ncu rc=$?"
   # Metric name, unit, value: the last three columns of ncu's --csv rows.
-  grep -E '"(dram__|sm__|smsp__|gpu__)' "$OUT/ncu_$name.csv" | awk -F'","' '{print "  " $(NF-2) " = " $NF " " $(NF-1)}' | tr -d '"'
+  grep -E '"(dram__|sm__|smsp__|gpu__|l1tex__|lts__)' "$OUT/ncu_$name.csv" | awk -F'","' '{print "  " $(NF-2) " = " $NF " " $(NF-1)}' | tr -d '"'
 done

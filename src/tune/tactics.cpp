@@ -107,7 +107,9 @@ constexpr int64_t kDecodeN16MaxRows = 14;
 //   12 rows: n16 fastest on 7 of 8 shapes (n24 1.07-1.12x slower); 14 rows: n16 and n24 within 2%;
 //   16 rows: n24 1.10-1.19x faster than n16; 18 and 20 rows: n24 1.11-1.27x faster than n32;
 //   24 rows: n32 1.10-1.25x faster than n16 and the WGMMA n64 tile; 32 rows: the WGMMA tile wins.
-constexpr int64_t kDecodeN24MaxRows = 20;
+// 21-23 rows (s12, bench/results/2026-11-30_s12b_nvidia_h200_n24_n32_sweep.md, 7 shapes not in one wave):
+//   21 rows: n24 1.07-1.12x faster than n32; 22 rows: 1.02-1.05x; 23 rows: within 1%.
+constexpr int64_t kDecodeN24MaxRows = 22;
 constexpr int64_t kDecodeN32MaxRows = 24;
 // Where the 128-row tiles of all experts fit in one wave (few experts, small N: Mixtral's GEMM2, 8 x 32
 // tiles <= 2 CTAs x 132 SMs) the slowest expert sets the time, and a second token tile is a second wave:

@@ -42,13 +42,18 @@ namespace wgmma_prefill {
 using namespace wgmma;  // (wgmma_building_blocks.cuh)
 
 constexpr int kThreads = 256;  // two warpgroups, both load and compute
-constexpr int kStages = 4;     // 4 x 17-25 KB: deep enough to cover HBM latency, one CTA per SM
+// Convert the next stage's weights while this stage's wgmmas run (else after their wait).
+constexpr bool kOverlapConvert = true;
 
 // TILE_N token rows per tile (the wgmma N: 128, or 64 for experts with fewer rows). kAct: the fused
 // activation epilogue's park, h of one tile (TILE_N x 128 fp32), after the work list.
 template <int TILE_N, bool kAct = false>
 struct Shape {
   static_assert(TILE_N == 64 || TILE_N == 128, "wgmma m64n64k32 or m64n128k32");
+  // Stages of 17 KB (64 tokens): 5, two CTAs per SM in 2 x 92 KB; with the fused epilogue's 34 KB park, 4
+  // (two CTAs still fit). With the overlapped conversion one stage ahead is landed, the rest in flight.
+  static constexpr int kStages = kAct ? 4 : 5;
+  static_assert(kStages >= 3, "the overlapped conversion needs stage it + 1 landed while it + 2.. load");
   static constexpr int kAcc = TILE_N / 2;                 // fp32 accumulator registers per thread
   static constexpr int kStageA = TILE_N * kGroup;         // activations, TILE_N rows x 128 bytes
   static constexpr int kStageBytes = kStageA + kStageW + kStageS;
@@ -100,6 +105,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
   using S = Shape<TILE_N, kAct>;
   constexpr int kTileN = TILE_N;
+  constexpr int kStages = S::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_1024(smem_raw);  // the swizzled activation tiles need 1024-byte alignment
   uint8_t* stages = smem;
@@ -138,74 +144,84 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
   // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {gid, gid + 8}.
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + gid, r1 = r0 + 8;
+  const int shift = (tig & 1) * 16;
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
 
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < total_iters) issue_loads(s);
-    cp_async_commit();
-  }
-  for (int it = 0; it < total_iters; ++it) {
-    cp_async_wait<kStages - 2>();
-    // NOTE: the tensor cores read shared memory through the async proxy: make this thread's
-    // cp.async writes visible to it, then the barrier publishes every thread's part of the stage
-    // (and retires stage it - 1, whose wgmmas all completed before their warpgroup got here).
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    if (it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
-    cp_async_commit();
-
-    const uint8_t* st = stages + (it % kStages) * S::kStageBytes;
-    const uint8_t* sw = st + S::kStageA;
-    const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(sw + kStageW);
-    const int g = it % groups;
-    // Weights: the 64 bytes (128 int4) of rows r0 and r1 in this group.
+  // The A operand: this thread's int4 weights of stage `it` as e4m3. K step s (32 K = 16 bytes of a
+  // row): the A registers hold K 4 tig..+3 (bytes 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes
+  // 8 + 2 tig, 9 + 2 tig), rows r0 then r1.
+  auto convert = [&](int it, uint32_t(&a)[4][4]) {
+    const uint8_t* sw = stages + (it % kStages) * S::kStageBytes + S::kStageA;
     uint4 w0[4], w1[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       w0[c] = reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2))[c];
       w1[c] = reinterpret_cast<const uint4*>(sw + r1 * (kGroup / 2))[c];
     }
-    // K step s (32 K = 16 bytes of a row): this thread's A registers hold K 4 tig..+3 (bytes
-    // 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then r1.
-    uint32_t a[4][4];
-    const int shift = (tig & 1) * 16;
     [[maybe_unused]] const uint32_t select = (tig & 1) ? 0x7362u : 0x5140u;  // BIASED: this thread's nibbles
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const uint32_t lo0 = (tig & 2) ? w0[s].y : w0[s].x, hi0 = (tig & 2) ? w0[s].w : w0[s].z;
-      const uint32_t lo1 = (tig & 2) ? w1[s].y : w1[s].x, hi1 = (tig & 2) ? w1[s].w : w1[s].z;
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t lo0 = (tig & 2) ? w0[k].y : w0[k].x, hi0 = (tig & 2) ? w0[k].w : w0[k].z;
+      const uint32_t lo1 = (tig & 2) ? w1[k].y : w1[k].x, hi1 = (tig & 2) ? w1[k].w : w1[k].z;
       if constexpr (BIASED) {
-        a[s][0] = int4x4_to_biased_e4m3x4(lo0, select);
-        a[s][1] = int4x4_to_biased_e4m3x4(lo1, select);
-        a[s][2] = int4x4_to_biased_e4m3x4(hi0, select);
-        a[s][3] = int4x4_to_biased_e4m3x4(hi1, select);
+        a[k][0] = int4x4_to_biased_e4m3x4(lo0, select);
+        a[k][1] = int4x4_to_biased_e4m3x4(lo1, select);
+        a[k][2] = int4x4_to_biased_e4m3x4(hi0, select);
+        a[k][3] = int4x4_to_biased_e4m3x4(hi1, select);
       } else {
-        a[s][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
-        a[s][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
-        a[s][2] = int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
-        a[s][3] = int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
+        a[k][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
+        a[k][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
+        a[k][2] = int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
+        a[k][3] = int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
       }
     }
+  };
+  // Stages up to `upto` have landed for this thread; after the barrier, for every thread (and for the
+  // tensor cores, which read shared memory through the async proxy: the fence), and every thread is
+  // past its previous step, so the stage that step used may be refilled.
+  auto publish = [&]() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < total_iters) issue_loads(s);
+    cp_async_commit();
+  }
+  // One K group. kOverlapConvert: stage it + 1 is published with stage it, and its weights become
+  // `a_next` while stage it's wgmmas (on `a`, converted one step earlier) run.
+  auto step = [&](int it, uint32_t(&a)[4][4], uint32_t(&a_next)[4][4]) {
+    if constexpr (kOverlapConvert) cp_async_wait<kStages - 3>();  // stages <= it + 1
+    else cp_async_wait<kStages - 2>();                            // stages <= it
+    publish();  // (also retires stage it - 1, which the copy issued just below overwrites)
+    if (it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
+    cp_async_commit();
+
+    const uint8_t* st = stages + (it % kStages) * S::kStageBytes;
+    const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
+    const int g = it % groups;
+    if constexpr (!kOverlapConvert) convert(it, a);
+    constexpr float kUnit = BIASED ? 512.f : 1.f;  // biased codes count in units of 2^-9
+    const float s0 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
+    const float s1 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
     const uint64_t desc = make_desc_sw128(smem_u32(st));
     wgmma_fence();
     fence_operands(part);
 #pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma_k32<kTileN>(part, a[s][0], a[s][1], a[s][2], a[s][3], desc + 2 * s, s > 0);
+    for (int k = 0; k < 4; ++k) wgmma_k32<kTileN>(part, a[k][0], a[k][1], a[k][2], a[k][3], desc + 2 * k, k > 0);
     if constexpr (BIASED) {
       constexpr uint32_t kMinus8 = 0x88888888u;  // four e4m3 -8 * 2^-9
 #pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma_k32<kTileN>(part, kMinus8, kMinus8, kMinus8, kMinus8, desc + 2 * s, 1);
+      for (int k = 0; k < 4; ++k) wgmma_k32<kTileN>(part, kMinus8, kMinus8, kMinus8, kMinus8, desc + 2 * k, 1);
     }
     wgmma_commit();
+    if (kOverlapConvert && it + 1 < total_iters) convert(it + 1, a_next);
     wgmma_wait_all();
     fence_operands(part);
     // Group promotion (fp32 FMA with the bf16 scale of the row, g increasing).
-    constexpr float kUnit = BIASED ? 512.f : 1.f;  // biased codes count in units of 2^-9
-    const float s0 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
-    const float s1 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
 #pragma unroll
     for (int j = 0; j < kTileN / 8; ++j) {
       acc[4 * j + 0] = fmaf(s0, part[4 * j + 0], acc[4 * j + 0]);
@@ -217,8 +233,8 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
     if (g == groups - 1) {
       const GroupedTile t = tiles[it / groups];
       if constexpr (kAct) {
-        // Fused epilogue: park h, then every thread takes (token, feature pair) items. The main loop's
-        // barrier at the next iteration retires park before the next tile's epilogue writes it.
+        // Fused epilogue: park h, then every thread takes (token, feature pair) items. The next step's
+        // barrier retires park before the next tile's epilogue writes it.
         park_tile<kTileN>(p, t, acc, park, r0, r1, tig);
         __syncthreads();
         act_requant_items<kTileM, kThreads, kParkStride>(p.act_out, t, park, tid);
@@ -226,6 +242,17 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
         store_tile<OutT, kTileN>(p, t, acc, r0, r1, tig);
       }
     }
+  };
+  // Two A buffers, swapped by unrolling two steps (a runtime index would put them in local memory).
+  uint32_t a_even[4][4], a_odd[4][4];
+  if constexpr (kOverlapConvert) {
+    cp_async_wait<kStages - 2>();  // stage 0
+    publish();
+    convert(0, a_even);
+  }
+  for (int it = 0; it < total_iters; it += 2) {
+    step(it, a_even, a_odd);
+    if (it + 1 < total_iters) step(it + 1, a_odd, a_even);
   }
 }
 
@@ -242,6 +269,8 @@ using namespace wgmma;  // (wgmma_building_blocks.cuh)
 constexpr int kConsumers = 2;                     // compute warpgroups, 64 weight rows each
 constexpr int kThreads = 128 * (1 + kConsumers);  // + the loading warpgroup
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // setmaxnreg: 128 * 56 + 256 * 224 = 384 * 168
+// Convert the next stage's weights while this stage's wgmmas run (else after their wait).
+constexpr bool kOverlapConvert = true;
 
 // kAct: the fused activation epilogue's park (h of one tile, TILE_N x 128 fp32) after the work list.
 template <int TILE_N, bool kAct = false>
@@ -401,13 +430,11 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
     }
   };
 
-  uint32_t a[4][4];
   GroupedTile t{0, 0, 0, 0};
-  if (total_iters > 0) {
-    wait_full(0);
-    convert(0, a);
-  }
-  for (int it = 0; it < total_iters; ++it) {
+  // One K group: its wgmmas on the A operand `a` (converted earlier); while they run, the next
+  // stage's weights become `a_next` (kOverlapConvert), then the promotion. Stage it + 1 is waited for
+  // before the wgmmas are issued: inside the window there are only shared-memory loads and ALU work.
+  auto step = [&](int it, uint32_t(&a)[4][4], uint32_t(&a_next)[4][4]) {
     const int g = it % groups, s = it % kStages;
     if (g == 0) t = tiles[it / groups];
     const uint8_t* st = stages + s * S::kStageBytes;
@@ -416,6 +443,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
     constexpr float kUnit = BIASED ? 512.f : 1.f;  // biased codes count in units of 2^-9
     const float s0 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
     const float s1 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
+    const bool more = it + 1 < total_iters;
+    if (kOverlapConvert && more) wait_full(it + 1);
     wgmma::wgmma_fence();
     wgmma::fence_operands(part);
 #pragma unroll
@@ -427,16 +456,13 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
       for (int k = 0; k < 4; ++k) wgmma_prefill::wgmma_k32<TILE_N>(part, kMinus8, kMinus8, kMinus8, kMinus8, desc + 2 * k, 1);
     }
     wgmma::wgmma_commit();
+    if (kOverlapConvert && more) convert(it + 1, a_next);
     wgmma::wgmma_wait_all();
     wgmma::fence_operands(part);
     mbar_arrive(&empty[s]);  // this thread is done with stage s (weights and scales in registers)
-    // NOTE: converting the next stage between the wgmmas' issue and their wait (so the tensor cores
-    // and this warpgroup's ALUs overlap) measured 7-10% slower on the H200, and gave wrong results
-    // when the conversion waited on the mbarrier inside that window. The other computing warpgroup
-    // supplies the overlap instead.
-    if (it + 1 < total_iters) {
+    if (!kOverlapConvert && more) {
       wait_full(it + 1);
-      convert(it + 1, a);
+      convert(it + 1, a_next);
     }
 #pragma unroll
     for (int j = 0; j < TILE_N / 8; ++j) {
@@ -457,6 +483,16 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
         wgmma::store_tile<OutT, TILE_N>(p, t, acc, r0, r1, tig);
       }
     }
+  };
+  // Two A buffers, swapped by unrolling two steps (a runtime index would put them in local memory).
+  uint32_t a_even[4][4], a_odd[4][4];
+  if (total_iters > 0) {
+    wait_full(0);
+    convert(0, a_even);
+  }
+  for (int it = 0; it < total_iters; it += 2) {
+    step(it, a_even, a_odd);
+    if (it + 1 < total_iters) step(it + 1, a_odd, a_even);
   }
 }
 
