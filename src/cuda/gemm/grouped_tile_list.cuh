@@ -59,25 +59,43 @@ __device__ __forceinline__ int build_tile_list(const int32_t* problem_sizes, int
   return tile_start[num_experts];
 }
 
+// A located tile whose expert row count and first row may still be in flight: locate_tile only
+// issues their loads; finish_tile is the first use (a cursor keeps this one tile ahead, so the global
+// loads' latency overlaps the current tile instead of stalling the next one's first stage).
+struct LocatedTile {
+  int expert;
+  int local;   // tile number inside the expert
+  int m;       // the expert's rows (problem_sizes[expert][1])
+  int offset;  // its first row (expert_offsets[expert])
+};
+
 // Where tile number `tile` lives (0 <= tile < total).
-template <int TILE_M, int TILE_N>
-__device__ __forceinline__ GroupedTile find_tile(int tile, const int32_t* tile_start, int num_experts,
-                                                 const int32_t* problem_sizes, const int32_t* expert_offsets) {
+__device__ __forceinline__ LocatedTile locate_tile(int tile, const int32_t* tile_start, int num_experts,
+                                                   const int32_t* problem_sizes, const int32_t* expert_offsets) {
   int lo = 0, hi = num_experts - 1;  // last expert whose first tile is <= tile (empty experts share starts)
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
     if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
   }
-  const int local = tile - tile_start[lo];
-  const int m = problem_sizes[3 * lo + 1];
-  const int token_tiles = (m + TILE_N - 1) / TILE_N;
-  const int ntile = local / token_tiles, ttile = local - ntile * token_tiles;
+  return {lo, tile - tile_start[lo], problem_sizes[3 * lo + 1], expert_offsets[lo]};
+}
+
+template <int TILE_M, int TILE_N>
+__device__ __forceinline__ GroupedTile finish_tile(const LocatedTile& l) {
+  const int token_tiles = (l.m + TILE_N - 1) / TILE_N;
+  const int ntile = l.local / token_tiles, ttile = l.local - ntile * token_tiles;
   GroupedTile t;
-  t.expert = lo;
+  t.expert = l.expert;
   t.n0 = ntile * TILE_M;
-  t.row0 = expert_offsets[lo] + ttile * TILE_N;
-  t.rows = min(TILE_N, m - ttile * TILE_N);
+  t.row0 = l.offset + ttile * TILE_N;
+  t.rows = min(TILE_N, l.m - ttile * TILE_N);
   return t;
+}
+
+template <int TILE_M, int TILE_N>
+__device__ __forceinline__ GroupedTile find_tile(int tile, const int32_t* tile_start, int num_experts,
+                                                 const int32_t* problem_sizes, const int32_t* expert_offsets) {
+  return finish_tile<TILE_M, TILE_N>(locate_tile(tile, tile_start, num_experts, problem_sizes, expert_offsets));
 }
 
 // This CTA's share of a persistent grid's work list: tile numbers blockIdx.x, blockIdx.x + gridDim.x,
@@ -93,9 +111,9 @@ struct CtaTiles {
   int count;
   __device__ __forceinline__ bool empty() const { return static_cast<int>(blockIdx.x) >= total; }
   // The i-th tile of this CTA (0 <= i < count).
-  __device__ __forceinline__ GroupedTile operator[](int i) const {
-    return find_tile<TILE_M, TILE_N>(blockIdx.x + i * gridDim.x, tile_start, num_experts, problem_sizes,
-                                     expert_offsets);
+  __device__ __forceinline__ GroupedTile operator[](int i) const { return finish_tile<TILE_M, TILE_N>(locate(i)); }
+  __device__ __forceinline__ LocatedTile locate(int i) const {
+    return locate_tile(blockIdx.x + i * gridDim.x, tile_start, num_experts, problem_sizes, expert_offsets);
   }
 };
 

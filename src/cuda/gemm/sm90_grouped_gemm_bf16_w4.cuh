@@ -202,10 +202,15 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   const uint8_t* s_src = p.b_scales;
   uint32_t b_valid = 0, a_valid = 0;
   bool s_valid = false;
-  auto issue_loads = [&](int it, int stage) {
-    const int s = it % stages_per_tile;
+  // The tile and K step the next copy fills (counters, not a division per stage), and that tile located
+  // one tile ahead (grouped_tile_list.cuh: LocatedTile).
+  int load_tile = 0, load_k = 0;
+  LocatedTile load_ahead = tiles.locate(0);
+  auto issue_loads = [&](int stage) {
+    const int s = load_k;
     if (s == 0) {
-      const GroupedTile t = tiles[it / stages_per_tile];
+      const GroupedTile t = finish_tile<kTileM, kTileN>(load_ahead);
+      if (load_tile + 1 < tiles.count) load_ahead = tiles.locate(load_tile + 1);
       b_src = p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + b_row) * row_bytes_b + b_chunk * 16;
       a_src = reinterpret_cast<const uint8_t*>(p.a) + static_cast<int64_t>(t.row0 + a_row) * row_bytes_a + a_chunk * 16;
       b_valid = a_valid = 0;
@@ -273,6 +278,10 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       const uint8_t* src = valid ? s_src + static_cast<int64_t>(g0) * kChunksPerGroup * 512 : p.b_scales;
       cp_async_16(ss + tid * 16, src, valid);
     }
+    if (++load_k == stages_per_tile) {
+      load_k = 0;
+      ++load_tile;
+    }
   };
 
   // ---- Consumer.
@@ -291,19 +300,25 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < total_iters) issue_loads(s, s);
+    if (s < total_iters) issue_loads(s);
     cp_async_commit();
   }
 
+  int step_tile = 0, step_k = 0;  // the tile and K step this iteration computes
   for (int it = 0; it < total_iters; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // publishes stage `it`, retires stage `it - 1` (overwritten just below)
     {
       const int next = it + STAGES - 1;
-      if (next < total_iters) issue_loads(next, next % STAGES);
+      if (next < total_iters) issue_loads(next % STAGES);
       cp_async_commit();
     }
-    const int s = it % stages_per_tile;
+    // (moved on here: the epilogue below may `continue`)
+    const int s = step_k, tile_index = step_tile;
+    if (++step_k == stages_per_tile) {
+      step_k = 0;
+      ++step_tile;
+    }
     const uint8_t* sb = stages + (it % STAGES) * Cfg::kStageBytes;
     const uint8_t* sa = sb + Cfg::kStageB;
     const uint8_t* ss = sa + Cfg::kStageA;
@@ -420,7 +435,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       }
       // ---- Epilogue: D[row, n] = out(s[row] * (post * acc)).
       constexpr float kPost = F == W4Format::kNvfp4 ? 256.0f : 1.0f;  // undoes the 2^-8 of the NVFP4 decode
-      w4a8::store_fragments<OutT>(acc, tiles[it / stages_per_tile], p, warp_m, warp_n, gid, tig, kPost,
+      w4a8::store_fragments<OutT>(acc, tiles[tile_index], p, warp_m, warp_n, gid, tig, kPost,
                                   [&](int row, float lo, float hi, float& out_lo, float& out_hi) {
                                     const bool scaled = p.row_scales != nullptr;
                                     const float rs = scaled ? p.row_scales[row] : 1.0f;

@@ -319,10 +319,15 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   const __nv_bfloat16* s_src = p.b_scales;
   uint32_t b_valid = 0, a_valid = 0;  // bit i: pass i copies a real row
   bool s_valid = false;
-  auto issue_loads = [&](int it, int stage) {
-    const int s = it % stages_per_tile;
+  // The tile and K step the next copy fills (counters, not a division per stage), and that tile located
+  // one tile ahead: its expert's row count and first row are loaded while the previous tile streams.
+  int load_tile = 0, load_k = 0;
+  LocatedTile load_ahead = tiles.locate(0);
+  auto issue_loads = [&](int stage) {
+    const int s = load_k;
     if (s == 0) {
-      const GroupedTile t = tiles[it / stages_per_tile];
+      const GroupedTile t = finish_tile<kTileM, kTileN>(load_ahead);
+      if (load_tile + 1 < tiles.count) load_ahead = tiles.locate(load_tile + 1);
       // Weight row of tile row r: row_lo + r, plus row_jump when r >= TILE_M / 2 (only in the fused
       // gated epilogue: gate rows of F features, then their up rows; see the top comment).
       // (The plain kernels keep their exact address arithmetic: if constexpr.)
@@ -403,6 +408,10 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       const __nv_bfloat16* src = valid ? s_src + static_cast<int64_t>(g0) * p.n : p.b_scales;
       cp_async_16(ss + tid * 16, src, valid);
     }
+    if (++load_k == stages_per_tile) {
+      load_k = 0;
+      ++load_tile;
+    }
   };
 
   // ---- Consumer state.
@@ -421,10 +430,11 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < total_iters) issue_loads(s, s);
+    if (s < total_iters) issue_loads(s);
     cp_async_commit();
   }
 
+  int step_tile = 0, step_k = 0;  // the tile and K step this iteration computes
   for (int it = 0; it < total_iters; ++it) {
     cp_async_wait<STAGES - 2>();
     // NOTE: this barrier both publishes stage `it` and retires stage `it - 1`, which the copy
@@ -432,10 +442,15 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     __syncthreads();
     {
       const int next = it + STAGES - 1;
-      if (next < total_iters) issue_loads(next, next % STAGES);
+      if (next < total_iters) issue_loads(next % STAGES);
       cp_async_commit();
     }
-    const int s = it % stages_per_tile;
+    // (moved on here: the epilogue below may `continue`)
+    const int s = step_k, tile_index = step_tile;
+    if (++step_k == stages_per_tile) {
+      step_k = 0;
+      ++step_tile;
+    }
     const uint8_t* sb = stages + (it % STAGES) * Cfg::kStageBytes;
     const uint8_t* sa = sb + Cfg::kStageB;
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(sa + Cfg::kStageA);
@@ -531,7 +546,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         if constexpr (kAct) {  // ---- Fused epilogue: A2 and s2 (all threads; see the top comment)
           static_assert(Cfg::kSplitBytes >= kTileM * kTileN * 4, "park holds the tile's h");
           act_requant_epilogue<WARPS_M, WARPS_N, MF, NF, kTileM, kTileN, kThreads>(
-              p, tiles[it / stages_per_tile], acc, park, k0, warp_m, warp_n, lane, tid);
+              p, tiles[tile_index], acc, park, k0, warp_m, warp_n, lane, tid);
           continue;
         }
         if (!k0) continue;
@@ -540,7 +555,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         static_assert(WARPS_K > 1, "the fused epilogue uses the K warps' meeting memory");
       } else {
         // ---- Epilogue: D[row, n] = out(a_scale(row) * acc).
-        store_fragments<OutT>(acc, tiles[it / stages_per_tile], p, warp_m, warp_n, gid, tig, 1.0f,
+        store_fragments<OutT>(acc, tiles[tile_index], p, warp_m, warp_n, gid, tig, 1.0f,
                               [&](int row, float lo, float hi, float& out_lo, float& out_hi) {
                                 const float as = p.a_scales[p.a_scales_per_row ? row : 0];
                                 out_lo = as * lo;
