@@ -8,6 +8,12 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define QMOE_TILE_HD __host__ __device__ __forceinline__
+#else
+#define QMOE_TILE_HD inline  // the tile arithmetic is also tested on the host (tests/cpp/test_grouped_tile_list.cpp)
+#endif
+
 namespace qmoe::cuda {
 
 constexpr int kTileListMaxExperts = 1024;
@@ -18,6 +24,47 @@ struct GroupedTile {
   int row0;  // first row of A / D
   int rows;  // valid rows in this token tile (1..TILE_N)
 };
+
+// A located tile whose expert row count and first row may still be in flight: locate_tile only
+// issues their loads; finish_tile is the first use (the kernels' loaders keep one tile ahead, so the global
+// loads' latency overlaps the current tile instead of stalling the next one's first stage).
+struct LocatedTile {
+  int expert;
+  int local;   // tile number inside the expert
+  int m;       // the expert's rows (problem_sizes[expert][1])
+  int offset;  // its first row (expert_offsets[expert])
+};
+
+// Where tile number `tile` lives (0 <= tile < total).
+QMOE_TILE_HD LocatedTile locate_tile(int tile, const int32_t* tile_start, int num_experts,
+                                                   const int32_t* problem_sizes, const int32_t* expert_offsets) {
+  int lo = 0, hi = num_experts - 1;  // last expert whose first tile is <= tile (empty experts share starts)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+  }
+  return {lo, tile - tile_start[lo], problem_sizes[3 * lo + 1], expert_offsets[lo]};
+}
+
+template <int TILE_M, int TILE_N>
+QMOE_TILE_HD GroupedTile finish_tile(const LocatedTile& l) {
+  const int token_tiles = (l.m + TILE_N - 1) / TILE_N;
+  const int ntile = l.local / token_tiles, ttile = l.local - ntile * token_tiles;
+  GroupedTile t;
+  t.expert = l.expert;
+  t.n0 = ntile * TILE_M;
+  t.row0 = l.offset + ttile * TILE_N;
+  t.rows = l.m - ttile * TILE_N < TILE_N ? l.m - ttile * TILE_N : TILE_N;
+  return t;
+}
+
+template <int TILE_M, int TILE_N>
+QMOE_TILE_HD GroupedTile find_tile(int tile, const int32_t* tile_start, int num_experts,
+                                                 const int32_t* problem_sizes, const int32_t* expert_offsets) {
+  return finish_tile<TILE_M, TILE_N>(locate_tile(tile, tile_start, num_experts, problem_sizes, expert_offsets));
+}
+
+#if defined(__CUDACC__)
 
 // Every thread of the block calls this (THREADS = blockDim.x). tile_start: shared [E + 1], gets the
 // exclusive prefix of tile counts (tile_start[E] = total); warp_total: shared scratch of THREADS / 32 ints.
@@ -59,45 +106,6 @@ __device__ __forceinline__ int build_tile_list(const int32_t* problem_sizes, int
   return tile_start[num_experts];
 }
 
-// A located tile whose expert row count and first row may still be in flight: locate_tile only
-// issues their loads; finish_tile is the first use (a cursor keeps this one tile ahead, so the global
-// loads' latency overlaps the current tile instead of stalling the next one's first stage).
-struct LocatedTile {
-  int expert;
-  int local;   // tile number inside the expert
-  int m;       // the expert's rows (problem_sizes[expert][1])
-  int offset;  // its first row (expert_offsets[expert])
-};
-
-// Where tile number `tile` lives (0 <= tile < total).
-__device__ __forceinline__ LocatedTile locate_tile(int tile, const int32_t* tile_start, int num_experts,
-                                                   const int32_t* problem_sizes, const int32_t* expert_offsets) {
-  int lo = 0, hi = num_experts - 1;  // last expert whose first tile is <= tile (empty experts share starts)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
-  }
-  return {lo, tile - tile_start[lo], problem_sizes[3 * lo + 1], expert_offsets[lo]};
-}
-
-template <int TILE_M, int TILE_N>
-__device__ __forceinline__ GroupedTile finish_tile(const LocatedTile& l) {
-  const int token_tiles = (l.m + TILE_N - 1) / TILE_N;
-  const int ntile = l.local / token_tiles, ttile = l.local - ntile * token_tiles;
-  GroupedTile t;
-  t.expert = l.expert;
-  t.n0 = ntile * TILE_M;
-  t.row0 = l.offset + ttile * TILE_N;
-  t.rows = min(TILE_N, l.m - ttile * TILE_N);
-  return t;
-}
-
-template <int TILE_M, int TILE_N>
-__device__ __forceinline__ GroupedTile find_tile(int tile, const int32_t* tile_start, int num_experts,
-                                                 const int32_t* problem_sizes, const int32_t* expert_offsets) {
-  return finish_tile<TILE_M, TILE_N>(locate_tile(tile, tile_start, num_experts, problem_sizes, expert_offsets));
-}
-
 // This CTA's share of a persistent grid's work list: tile numbers blockIdx.x, blockIdx.x + gridDim.x,
 // ... below total. count is meaningful only when the CTA has a tile (blockIdx.x < total): the kernels
 // return before anything else otherwise.
@@ -126,5 +134,7 @@ __device__ __forceinline__ CtaTiles<TILE_M, TILE_N> cta_tiles(const int32_t* pro
   const int count = (total - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
   return {tile_start, problem_sizes, expert_offsets, num_experts, total, count};
 }
+
+#endif  // __CUDACC__
 
 }  // namespace qmoe::cuda
