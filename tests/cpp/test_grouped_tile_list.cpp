@@ -3,7 +3,7 @@
 // for every tile number. Every (expert, feature tile, row) of a non-empty expert must be covered by
 // exactly one tile, rows inside the expert's range, and nothing for empty experts. The GPU checks run
 // the kernels end to end; this pins the arithmetic every kernel's loader and epilogue share, including
-// the located-one-tile-ahead split (locate, then finish).
+// the located-one-tile-ahead split (locate, then finish) and the counted K-step walk (TileStep).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -17,6 +17,7 @@ namespace {
 using qmoe::cuda::finish_tile;
 using qmoe::cuda::GroupedTile;
 using qmoe::cuda::locate_tile;
+using qmoe::cuda::TileStep;
 
 struct Problem {
   std::vector<int32_t> problem_sizes;   // [E][3], rows in [e][1]
@@ -97,6 +98,17 @@ TEST(GroupedTileList, RandomRoutingManyExperts) {
     for (int& m : rows) m = rng() % 3 == 0 ? 0 : static_cast<int>(rng() % 70);
     check_cover<128, 8>(rows, 256 + 128 * static_cast<int>(rng() % 4));
     check_cover<128, 64>(rows, 384);
+  }
+}
+
+TEST(GroupedTileList, TileStepCountsWhatTheDivisionGave) {
+  for (int steps : {1, 2, 3, 7, 56}) {
+    TileStep at;
+    for (int it = 0; it < 5 * steps + 3; ++it) {
+      ASSERT_EQ(at.tile, it / steps) << "steps " << steps << ", it " << it;
+      ASSERT_EQ(at.k, it % steps) << "steps " << steps << ", it " << it;
+      at.advance(steps);
+    }
   }
 }
 

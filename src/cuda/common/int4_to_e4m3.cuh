@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "cuda/common/int4_to_f16.cuh"  // and_xor
+
 namespace qmoe::cuda {
 
 // e4m3 codes: 0 0x00, 1 0x38, 2 0x40, 3 0x44, 4 0x48, 5 0x4A, 6 0x4C, 7 0x4E;
@@ -48,15 +50,10 @@ __device__ __forceinline__ void int4x8_to_e4m3x8(uint32_t packed, uint32_t& lo, 
 // reads as (q + 8) * 2^-9 exactly (codes 0..15 share the spacing 2^-9), for 4 consecutive nibbles of
 // `word`: nibbles 0-3 with select = 0x5140, nibbles 4-7 with select = 0x7362 (the even and odd nibbles
 // are split by two masks, then interleaved back into K order by one byte permute).
-// 4 instructions: (x & m) ^ b is one LOP3 only when written out (ptxas emits two for the C expression).
-__device__ __forceinline__ uint32_t lop3_and_xor(uint32_t x, uint32_t mask, uint32_t bits) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(d) : "r"(x), "r"(mask), "r"(bits));
-  return d;
-}
+// 4 instructions (and_xor: one LOP3 each, int4_to_f16.cuh).
 __device__ __forceinline__ uint32_t int4x4_to_biased_e4m3x4(uint32_t word, uint32_t select) {
-  const uint32_t even = lop3_and_xor(word, 0x0F0F0F0Fu, 0x08080808u);
-  const uint32_t odd = lop3_and_xor(word >> 4, 0x0F0F0F0Fu, 0x08080808u);
+  const uint32_t even = and_xor(word, 0x0F0F0F0Fu, 0x08080808u);
+  const uint32_t odd = and_xor(word >> 4, 0x0F0F0F0Fu, 0x08080808u);
   return prmt(even, odd, select);
 }
 

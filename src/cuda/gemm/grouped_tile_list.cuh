@@ -58,11 +58,18 @@ QMOE_TILE_HD GroupedTile finish_tile(const LocatedTile& l) {
   return t;
 }
 
-template <int TILE_M, int TILE_N>
-QMOE_TILE_HD GroupedTile find_tile(int tile, const int32_t* tile_start, int num_experts,
-                                                 const int32_t* problem_sizes, const int32_t* expert_offsets) {
-  return finish_tile<TILE_M, TILE_N>(locate_tile(tile, tile_start, num_experts, problem_sizes, expert_offsets));
-}
+// A position in a CTA's walk over its tiles, K step by K step: counted, so that no step pays an integer
+// division by the (runtime) number of steps per tile.
+struct TileStep {
+  int tile = 0;  // this CTA's tile index (0 .. count - 1)
+  int k = 0;     // K step inside it
+  QMOE_TILE_HD void advance(int steps_per_tile) {
+    if (++k == steps_per_tile) {
+      k = 0;
+      ++tile;
+    }
+  }
+};
 
 #if defined(__CUDACC__)
 
@@ -122,6 +129,13 @@ struct CtaTiles {
   __device__ __forceinline__ GroupedTile operator[](int i) const { return finish_tile<TILE_M, TILE_N>(locate(i)); }
   __device__ __forceinline__ LocatedTile locate(int i) const {
     return locate_tile(blockIdx.x + i * gridDim.x, tile_start, num_experts, problem_sizes, expert_offsets);
+  }
+  // Tile i, located earlier into `ahead`; locates tile i + 1 there for the next call (a loader keeps one
+  // tile ahead this way).
+  __device__ __forceinline__ GroupedTile take(LocatedTile& ahead, int i) const {
+    const GroupedTile t = finish_tile<TILE_M, TILE_N>(ahead);
+    if (i + 1 < count) ahead = locate(i + 1);
+    return t;
   }
 };
 

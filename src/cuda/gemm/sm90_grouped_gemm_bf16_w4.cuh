@@ -204,13 +204,12 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   bool s_valid = false;
   // The tile and K step the next copy fills (counters, not a division per stage), and that tile located
   // one tile ahead (grouped_tile_list.cuh: LocatedTile).
-  int load_tile = 0, load_k = 0;
+  TileStep load_at;
   LocatedTile load_ahead = tiles.locate(0);
   auto issue_loads = [&](int stage) {
-    const int s = load_k;
+    const int s = load_at.k;
     if (s == 0) {
-      const GroupedTile t = finish_tile<kTileM, kTileN>(load_ahead);
-      if (load_tile + 1 < tiles.count) load_ahead = tiles.locate(load_tile + 1);
+      const GroupedTile t = tiles.take(load_ahead, load_at.tile);
       b_src = p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + b_row) * row_bytes_b + b_chunk * 16;
       a_src = reinterpret_cast<const uint8_t*>(p.a) + static_cast<int64_t>(t.row0 + a_row) * row_bytes_a + a_chunk * 16;
       b_valid = a_valid = 0;
@@ -278,10 +277,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       const uint8_t* src = valid ? s_src + static_cast<int64_t>(g0) * kChunksPerGroup * 512 : p.b_scales;
       cp_async_16(ss + tid * 16, src, valid);
     }
-    if (++load_k == stages_per_tile) {
-      load_k = 0;
-      ++load_tile;
-    }
+    load_at.advance(stages_per_tile);
   };
 
   // ---- Consumer.
@@ -304,7 +300,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     cp_async_commit();
   }
 
-  int step_tile = 0, step_k = 0;  // the tile and K step this iteration computes
+  TileStep step_at;  // the tile and K step this iteration computes
   for (int it = 0; it < total_iters; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // publishes stage `it`, retires stage `it - 1` (overwritten just below)
@@ -314,11 +310,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       cp_async_commit();
     }
     // (moved on here: the epilogue below may `continue`)
-    const int s = step_k, tile_index = step_tile;
-    if (++step_k == stages_per_tile) {
-      step_k = 0;
-      ++step_tile;
-    }
+    const int s = step_at.k, tile_index = step_at.tile;
+    step_at.advance(stages_per_tile);
     const uint8_t* sb = stages + (it % STAGES) * Cfg::kStageBytes;
     const uint8_t* sa = sb + Cfg::kStageB;
     const uint8_t* ss = sa + Cfg::kStageA;

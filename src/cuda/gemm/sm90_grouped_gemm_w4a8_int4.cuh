@@ -321,13 +321,12 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   bool s_valid = false;
   // The tile and K step the next copy fills (counters, not a division per stage), and that tile located
   // one tile ahead: its expert's row count and first row are loaded while the previous tile streams.
-  int load_tile = 0, load_k = 0;
+  TileStep load_at;
   LocatedTile load_ahead = tiles.locate(0);
   auto issue_loads = [&](int stage) {
-    const int s = load_k;
+    const int s = load_at.k;
     if (s == 0) {
-      const GroupedTile t = finish_tile<kTileM, kTileN>(load_ahead);
-      if (load_tile + 1 < tiles.count) load_ahead = tiles.locate(load_tile + 1);
+      const GroupedTile t = tiles.take(load_ahead, load_at.tile);
       // Weight row of tile row r: row_lo + r, plus row_jump when r >= TILE_M / 2 (only in the fused
       // gated epilogue: gate rows of F features, then their up rows; see the top comment).
       // (The plain kernels keep their exact address arithmetic: if constexpr.)
@@ -408,10 +407,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       const __nv_bfloat16* src = valid ? s_src + static_cast<int64_t>(g0) * p.n : p.b_scales;
       cp_async_16(ss + tid * 16, src, valid);
     }
-    if (++load_k == stages_per_tile) {
-      load_k = 0;
-      ++load_tile;
-    }
+    load_at.advance(stages_per_tile);
   };
 
   // ---- Consumer state.
@@ -434,7 +430,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     cp_async_commit();
   }
 
-  int step_tile = 0, step_k = 0;  // the tile and K step this iteration computes
+  TileStep step_at;  // the tile and K step this iteration computes
   for (int it = 0; it < total_iters; ++it) {
     cp_async_wait<STAGES - 2>();
     // NOTE: this barrier both publishes stage `it` and retires stage `it - 1`, which the copy
@@ -446,11 +442,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       cp_async_commit();
     }
     // (moved on here: the epilogue below may `continue`)
-    const int s = step_k, tile_index = step_tile;
-    if (++step_k == stages_per_tile) {
-      step_k = 0;
-      ++step_tile;
-    }
+    const int s = step_at.k, tile_index = step_at.tile;
+    step_at.advance(stages_per_tile);
     const uint8_t* sb = stages + (it % STAGES) * Cfg::kStageBytes;
     const uint8_t* sa = sb + Cfg::kStageB;
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(sa + Cfg::kStageA);

@@ -129,19 +129,15 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
   // tile is located one tile ahead (grouped_tile_list.cuh: LocatedTile).
   GroupedTile load_tile{0, 0, 0, 0};
   [[maybe_unused]] ActTileRows load_rows{0, 0};
-  int load_g = 0, load_index = 0;
+  TileStep load_at;
   LocatedTile load_ahead = tiles.locate(0);
   auto issue_loads = [&](int it) {
-    const int g = load_g;
+    const int g = load_at.k;
     if (g == 0) {
-      load_tile = finish_tile<kTileM, kTileN>(load_ahead);
-      if (load_index + 1 < tiles.count) load_ahead = tiles.locate(load_index + 1);
+      load_tile = tiles.take(load_ahead, load_at.tile);
       if constexpr (kAct) load_rows = act_tile_rows<kTileM>(p.act_out, load_tile.n0);
     }
-    if (++load_g == groups) {
-      load_g = 0;
-      ++load_index;
-    }
+    load_at.advance(groups);
     if constexpr (kAct) {
       load_stage<kTileN, kThreads, true>(p, load_tile, g, smem_u32(stages + (it % kStages) * S::kStageBytes), tid,
                                          load_rows);
@@ -200,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
     if (s < total_iters) issue_loads(s);
     cp_async_commit();
   }
-  int step_g = 0, step_tile = 0;  // the group and tile the next step computes (counted, like the loads)
+  TileStep step_at;  // the group and tile the next step computes
   // One K group. kOverlapConvert: stage it + 1 is published with stage it, and its weights become
   // `a_next` while stage it's wgmmas (on `a`, converted one step earlier) run.
   auto step = [&](int it, uint32_t(&a)[4][4], uint32_t(&a_next)[4][4]) {
@@ -212,11 +208,8 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
 
     const uint8_t* st = stages + (it % kStages) * S::kStageBytes;
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
-    const int g = step_g, tile_index = step_tile;
-    if (++step_g == groups) {
-      step_g = 0;
-      ++step_tile;
-    }
+    const int g = step_at.k, tile_index = step_at.tile;
+    step_at.advance(groups);
     if constexpr (!kOverlapConvert) convert(it, a);
     constexpr float kUnit = BIASED ? 512.f : 1.f;  // biased codes count in units of 2^-9
     const float s0 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
@@ -377,16 +370,15 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
       }
     };
     // The group and tile are counted (no division per stage); the next tile is located one tile ahead.
-    int g = 0, index = 0;
+    TileStep at;
     LocatedTile ahead = tiles.locate(0);
     for (int it = 0; it < total_iters; ++it) {
-      const int s = it % kStages;
+      const int g = at.k, s = it % kStages;
       if constexpr (kAct) {
         while (pending < tiles.count && it >= (pending + 1) * groups + kStages - 1) take_parked();
       }
       if (g == 0) {
-        t = finish_tile<kTileM, TILE_N>(ahead);
-        if (index + 1 < tiles.count) ahead = tiles.locate(index + 1);
+        t = tiles.take(ahead, at.tile);
         if constexpr (kAct) rows = act_tile_rows<kTileM>(p.act_out, t.n0);
       }
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
@@ -397,10 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
         wgmma::load_stage<TILE_N, 128>(p, t, g, wgmma::smem_u32(stages + s * S::kStageBytes), tid);
       }
       mbar_arrive_cp_async(&full[s]);
-      if (++g == groups) {
-        g = 0;
-        ++index;
-      }
+      at.advance(groups);
     }
     if constexpr (kAct) {
       while (pending < tiles.count) take_parked();
@@ -456,14 +445,11 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
   // One K group: its wgmmas on the A operand `a` (converted earlier); while they run, the next
   // stage's weights become `a_next` (kOverlapConvert), then the promotion. Stage it + 1 is waited for
   // before the wgmmas are issued: inside the window there are only shared-memory loads and ALU work.
-  int step_g = 0, step_tile = 0;  // the group and tile the next step computes (counted, not divided out)
+  TileStep step_at;  // the group and tile the next step computes
   auto step = [&](int it, uint32_t(&a)[4][4], uint32_t(&a_next)[4][4]) {
-    const int g = step_g, tile_index = step_tile, s = it % kStages;
+    const int g = step_at.k, tile_index = step_at.tile, s = it % kStages;
     if (g == 0) t = tiles[tile_index];  // (first used by the epilogue: the loads have the whole tile to land)
-    if (++step_g == groups) {
-      step_g = 0;
-      ++step_tile;
-    }
+    step_at.advance(groups);
     const uint8_t* st = stages + s * S::kStageBytes;
     const uint64_t desc = wgmma::make_desc_sw128(wgmma::smem_u32(st));
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
