@@ -301,6 +301,10 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   }
 
   TileStep step_at;  // the tile and K step this iteration computes
+  // That tile, located at its first K step so that its epilogue does not wait for the two global loads
+  // (tiles of up to 16 tokens: the 24 / 32-token tiles have no registers left for it).
+  constexpr bool kLocateEarly = NF <= 2;
+  LocatedTile step_located{};
   for (int it = 0; it < total_iters; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // publishes stage `it`, retires stage `it - 1` (overwritten just below)
@@ -311,6 +315,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     }
     // (moved on here: the epilogue below may `continue`)
     const int s = step_at.k, tile_index = step_at.tile;
+    if (kLocateEarly && s == 0) step_located = tiles.locate(tile_index);  // used by the epilogue
     step_at.advance(stages_per_tile);
     const uint8_t* sb = stages + (it % STAGES) * Cfg::kStageBytes;
     const uint8_t* sa = sb + Cfg::kStageB;
@@ -428,7 +433,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       }
       // ---- Epilogue: D[row, n] = out(s[row] * (post * acc)).
       constexpr float kPost = F == W4Format::kNvfp4 ? 256.0f : 1.0f;  // undoes the 2^-8 of the NVFP4 decode
-      w4a8::store_fragments<OutT>(acc, tiles[tile_index], p, warp_m, warp_n, gid, tig, kPost,
+      const GroupedTile tile = kLocateEarly ? finish_tile<kTileM, kTileN>(step_located) : tiles[tile_index];
+      w4a8::store_fragments<OutT>(acc, tile, p, warp_m, warp_n, gid, tig, kPost,
                                   [&](int row, float lo, float hi, float& out_lo, float& out_hi) {
                                     const bool scaled = p.row_scales != nullptr;
                                     const float rs = scaled ? p.row_scales[row] : 1.0f;

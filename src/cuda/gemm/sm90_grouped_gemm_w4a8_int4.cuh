@@ -431,6 +431,10 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   }
 
   TileStep step_at;  // the tile and K step this iteration computes
+  // That tile, located at its first K step so that its epilogue does not wait for the two global loads
+  // (tiles of up to 16 tokens: the 24 / 32-token tiles have no registers left for it).
+  constexpr bool kLocateEarly = NF <= 2;
+  LocatedTile step_located{};
   for (int it = 0; it < total_iters; ++it) {
     cp_async_wait<STAGES - 2>();
     // NOTE: this barrier both publishes stage `it` and retires stage `it - 1`, which the copy
@@ -443,6 +447,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     }
     // (moved on here: the epilogue below may `continue`)
     const int s = step_at.k, tile_index = step_at.tile;
+    if (kLocateEarly && s == 0) step_located = tiles.locate(tile_index);  // used by the epilogue
     step_at.advance(stages_per_tile);
     const uint8_t* sb = stages + (it % STAGES) * Cfg::kStageBytes;
     const uint8_t* sa = sb + Cfg::kStageB;
@@ -539,7 +544,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         if constexpr (kAct) {  // ---- Fused epilogue: A2 and s2 (all threads; see the top comment)
           static_assert(Cfg::kSplitBytes >= kTileM * kTileN * 4, "park holds the tile's h");
           act_requant_epilogue<WARPS_M, WARPS_N, MF, NF, kTileM, kTileN, kThreads>(
-              p, tiles[tile_index], acc, park, k0, warp_m, warp_n, lane, tid);
+              p, kLocateEarly ? finish_tile<kTileM, kTileN>(step_located) : tiles[tile_index], acc, park, k0, warp_m,
+              warp_n, lane, tid);
           continue;
         }
         if (!k0) continue;
@@ -548,7 +554,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         static_assert(WARPS_K > 1, "the fused epilogue uses the K warps' meeting memory");
       } else {
         // ---- Epilogue: D[row, n] = out(a_scale(row) * acc).
-        store_fragments<OutT>(acc, tiles[tile_index], p, warp_m, warp_n, gid, tig, 1.0f,
+        store_fragments<OutT>(acc, kLocateEarly ? finish_tile<kTileM, kTileN>(step_located) : tiles[tile_index], p,
+                              warp_m, warp_n, gid, tig, 1.0f,
                               [&](int row, float lo, float hi, float& out_lo, float& out_hi) {
                                 const float as = p.a_scales[p.a_scales_per_row ? row : 0];
                                 out_lo = as * lo;

@@ -127,23 +127,21 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
   // ---- Producer: every thread copies its share of each stage (load_stage).
   // Calls come in order (it = 0, 1, ...): the group and tile are counted, not divided out, and the next
   // tile is located one tile ahead (grouped_tile_list.cuh: LocatedTile).
-  GroupedTile load_tile{0, 0, 0, 0};
-  [[maybe_unused]] ActTileRows load_rows{0, 0};
+  StageCopies<kTileN, kThreads> copies{};
   TileStep load_at;
   LocatedTile load_ahead = tiles.locate(0);
   auto issue_loads = [&](int it) {
     const int g = load_at.k;
     if (g == 0) {
-      load_tile = tiles.take(load_ahead, load_at.tile);
-      if constexpr (kAct) load_rows = act_tile_rows<kTileM>(p.act_out, load_tile.n0);
+      const GroupedTile t = tiles.take(load_ahead, load_at.tile);
+      if constexpr (kAct) {
+        copies = stage_copies<kTileN, kThreads, true>(p, t, tid, act_tile_rows<kTileM>(p.act_out, t.n0));
+      } else {
+        copies = stage_copies<kTileN, kThreads>(p, t, tid);
+      }
     }
     load_at.advance(groups);
-    if constexpr (kAct) {
-      load_stage<kTileN, kThreads, true>(p, load_tile, g, smem_u32(stages + (it % kStages) * S::kStageBytes), tid,
-                                         load_rows);
-    } else {
-      load_stage<kTileN, kThreads>(p, load_tile, g, smem_u32(stages + (it % kStages) * S::kStageBytes), tid);
-    }
+    load_stage<kTileN, kThreads, kAct>(p, copies, g, smem_u32(stages + (it % kStages) * S::kStageBytes), tid);
   };
 
   // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {gid, gid + 8}.
@@ -352,8 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
   if (wg == 0) {
     // ---- Loading warpgroup: stage it % kStages once the computing warpgroups released it.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    GroupedTile t{0, 0, 0, 0};
-    [[maybe_unused]] ActTileRows rows{0, 0};
+    wgmma::StageCopies<TILE_N, 128> copies{};
     // Fused epilogue: this warpgroup also turns each parked h into A2 and s2, so that the computing
     // warpgroups go on with the next tile meanwhile. Tile u's h is taken once kStages - 1 stages past
     // its end are loaded (the computing warpgroups then have that much work queued); the last tiles'
@@ -378,16 +375,15 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
         while (pending < tiles.count && it >= (pending + 1) * groups + kStages - 1) take_parked();
       }
       if (g == 0) {
-        t = tiles.take(ahead, at.tile);
-        if constexpr (kAct) rows = act_tile_rows<kTileM>(p.act_out, t.n0);
+        const GroupedTile t = tiles.take(ahead, at.tile);
+        if constexpr (kAct) {
+          copies = wgmma::stage_copies<TILE_N, 128, true>(p, t, tid, act_tile_rows<kTileM>(p.act_out, t.n0));
+        } else {
+          copies = wgmma::stage_copies<TILE_N, 128>(p, t, tid);
+        }
       }
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-      if constexpr (kAct) {
-        wgmma::load_stage<TILE_N, 128, true>(p, t, g, wgmma::smem_u32(stages + s * S::kStageBytes),
-                                                     tid, rows);
-      } else {
-        wgmma::load_stage<TILE_N, 128>(p, t, g, wgmma::smem_u32(stages + s * S::kStageBytes), tid);
-      }
+      wgmma::load_stage<TILE_N, 128, kAct>(p, copies, g, wgmma::smem_u32(stages + s * S::kStageBytes), tid);
       mbar_arrive_cp_async(&full[s]);
       at.advance(groups);
     }

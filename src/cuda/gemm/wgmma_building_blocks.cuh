@@ -64,69 +64,94 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// One pipeline stage (K group g of tile t) into shared memory at sa: TILE_N activation rows (128-byte
+// One pipeline stage (K group g of a tile) into shared memory at sa: TILE_N activation rows (128-byte
 // swizzle), the tile's 128 weight rows, their scales of group g; LOADERS threads (loader = 0..LOADERS-1)
 // share the 16-byte copies. Rows past the expert's end or past N are zero-filled, nothing read.
 // kAct (the fused activation epilogue): tile row r is weight row w.lo + r (+ w.jump in the second
 // half: act_requant_items.cuh); else weight row n0 + r.
+// The global addresses of a thread's copies are set up once per tile (stage_copies); a stage then costs
+// an add and a copy per 16 bytes (load_stage), not the ~20 instructions of a full 64-bit address.
+template <int TILE_N, int LOADERS>
+struct StageCopies {
+  static_assert(LOADERS >= kTileM / 2 && LOADERS % 8 == 0, "a scale copy per row pair, whole activation rows");
+  static constexpr int kRowsA = LOADERS / 8, kRowsW = LOADERS / 4;  // rows per pass: 8 and 4 chunks per row
+  static constexpr int kPassesA = TILE_N / kRowsA, kPassesW = kTileM / kRowsW;
+  static_assert(kPassesA <= 32 && kPassesW <= 32, "validity masks are 32-bit");
+  const uint8_t* a;         // activation row row0 + a_row, chunk a_chunk, group 0
+  const uint8_t* w;         // weight row of tile row w_row, chunk w_chunk, group 0
+  const __nv_bfloat16* s;   // this thread's scale copy at group 0
+  int64_t w_jump;           // kAct: bytes added to the passes in the tile's second half (up rows)
+  uint32_t a_valid, w_valid;  // bit i: pass i copies a real row
+  bool s_valid;
+};
+
 template <int TILE_N, int LOADERS, bool kAct = false>
-__device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const GroupedTile& t, int g, uint32_t sa,
-                                           int loader, ActTileRows w = {0, 0}) {
+__device__ __forceinline__ StageCopies<TILE_N, LOADERS> stage_copies(const WgmmaGemmParams& p, const GroupedTile& t,
+                                                                     int loader, ActTileRows rows = {0, 0}) {
+  using C = StageCopies<TILE_N, LOADERS>;
   // Offset of tile row r's weight row from expert row 0 (the plain kernels keep their exact address
   // arithmetic: if constexpr).
   auto weight_row = [&](int r) {
     if constexpr (kAct) {
-      return w.lo + r + (r >= kTileM / 2 ? w.jump : 0);
+      return rows.lo + r + (r >= kTileM / 2 ? rows.jump : 0);
     } else {
       return t.n0 + r;
     }
   };
-  static_assert(LOADERS >= kTileM / 2 && LOADERS % 8 == 0, "a scale copy per row pair, whole activation rows");
-  constexpr int kRowsA = LOADERS / 8, kRowsW = LOADERS / 4;  // rows per pass: 8 and 4 chunks per row
-  const uint32_t sw = sa + TILE_N * kGroup, ss = sw + kStageW;  // (every kernel's stage: activations, weights, scales)
   const int a_row = loader / 8, a_chunk = loader % 8;
   const int w_row = loader / 4, w_chunk = loader % 4;
-#pragma unroll
-  for (int i = 0; i < TILE_N / kRowsA; ++i) {
-    const int r = a_row + kRowsA * i;
-    const bool valid = r < t.rows;
-    const uint8_t* src = valid ? p.a + static_cast<int64_t>(t.row0 + r) * p.k + g * kGroup + a_chunk * 16 : p.a;
-    cp_async_16(sa + r * kGroup + ((a_chunk ^ (r & 7)) << 4), src, valid);
-  }
   const int64_t w_row_bytes = p.k / 2;
+  C c;
+  c.a = p.a + static_cast<int64_t>(t.row0 + a_row) * p.k + a_chunk * 16;
+  c.w = p.b + (static_cast<int64_t>(t.expert) * p.n + weight_row(w_row)) * w_row_bytes + w_chunk * 16;
+  c.w_jump = kAct ? static_cast<int64_t>(rows.jump) * w_row_bytes : 0;
+  c.a_valid = c.w_valid = 0;
 #pragma unroll
-  for (int i = 0; i < kTileM / kRowsW; ++i) {
-    const int r = w_row + kRowsW * i;
-    const bool valid = t.n0 + r < p.n;
-    const uint8_t* src = p.b;
-    if constexpr (kAct) {
-      if (valid) src = p.b + (static_cast<int64_t>(t.expert) * p.n + weight_row(r)) * w_row_bytes + g * (kGroup / 2) +
-                       w_chunk * 16;
-    } else {
-      src = valid ? p.b + (static_cast<int64_t>(t.expert) * p.n + t.n0 + r) * w_row_bytes + g * (kGroup / 2) + w_chunk * 16
-                  : p.b;
-    }
-    cp_async_16(sw + r * (kGroup / 2) + w_chunk * 16, src, valid);
-  }
+  for (int i = 0; i < C::kPassesA; ++i) c.a_valid |= (a_row + C::kRowsA * i < t.rows ? 1u : 0u) << i;
+#pragma unroll
+  for (int i = 0; i < C::kPassesW; ++i) c.w_valid |= (t.n0 + w_row + C::kRowsW * i < p.n ? 1u : 0u) << i;
+  c.s = p.b_scales;
+  c.s_valid = false;
   if (p.scales_packed4) {
     // Row pair (2 loader, 2 loader + 1): their 8-byte blocks of the 512-wide K block holding group g.
     if (loader < kTileM / 2) {
-      const bool valid = t.n0 + 2 * loader < p.n;
-      const __nv_bfloat16* src =
-          valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / 512) + g / 4) * 4 * p.n + 4 * weight_row(2 * loader)
-                : p.b_scales;
-      cp_async_16(ss + loader * 16, src, valid);
+      c.s_valid = t.n0 + 2 * loader < p.n;
+      if (c.s_valid) c.s = p.b_scales + static_cast<int64_t>(t.expert) * (p.k / 512) * 4 * p.n + 4 * weight_row(2 * loader);
     }
   } else if (loader < kTileM / 8) {
-    const bool valid = t.n0 + 8 * loader < p.n;
-    const __nv_bfloat16* src = p.b_scales;
-    if constexpr (kAct) {
-      if (valid) src = p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / kGroup) + g) * p.n + weight_row(8 * loader);
-    } else {
-      src = valid ? p.b_scales + (static_cast<int64_t>(t.expert) * (p.k / kGroup) + g) * p.n + t.n0 + 8 * loader
-                  : p.b_scales;
-    }
-    cp_async_16(ss + loader * 16, src, valid);
+    c.s_valid = t.n0 + 8 * loader < p.n;
+    if (c.s_valid) c.s = p.b_scales + static_cast<int64_t>(t.expert) * (p.k / kGroup) * p.n + weight_row(8 * loader);
+  }
+  return c;
+}
+
+template <int TILE_N, int LOADERS, bool kAct = false>
+__device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const StageCopies<TILE_N, LOADERS>& c, int g,
+                                           uint32_t sa, int loader) {
+  using C = StageCopies<TILE_N, LOADERS>;
+  const uint32_t sw = sa + TILE_N * kGroup, ss = sw + kStageW;  // (every kernel's stage: activations, weights, scales)
+  const int a_row = loader / 8, a_chunk = loader % 8;
+  const int w_row = loader / 4, w_chunk = loader % 4;
+  const int64_t a_pass = static_cast<int64_t>(C::kRowsA) * p.k, w_pass = static_cast<int64_t>(C::kRowsW) * (p.k / 2);
+#pragma unroll
+  for (int i = 0; i < C::kPassesA; ++i) {
+    const int r = a_row + C::kRowsA * i;
+    const bool valid = (c.a_valid >> i) & 1u;
+    cp_async_16(sa + r * kGroup + ((a_chunk ^ (r & 7)) << 4), valid ? c.a + i * a_pass + g * kGroup : p.a, valid);
+  }
+#pragma unroll
+  for (int i = 0; i < C::kPassesW; ++i) {
+    const int r = w_row + C::kRowsW * i;
+    const bool valid = (c.w_valid >> i) & 1u;
+    // (a pass lies in one half of the tile: kRowsW divides TILE_M / 2)
+    const int64_t jump = kAct && r >= kTileM / 2 ? c.w_jump : 0;
+    cp_async_16(sw + r * (kGroup / 2) + w_chunk * 16, valid ? c.w + i * w_pass + jump + g * (kGroup / 2) : p.b, valid);
+  }
+  if (p.scales_packed4) {
+    if (loader < kTileM / 2)
+      cp_async_16(ss + loader * 16, c.s_valid ? c.s + static_cast<int64_t>(g / 4) * 4 * p.n : p.b_scales, c.s_valid);
+  } else if (loader < kTileM / 8) {
+    cp_async_16(ss + loader * 16, c.s_valid ? c.s + static_cast<int64_t>(g) * p.n : p.b_scales, c.s_valid);
   }
 }
 
