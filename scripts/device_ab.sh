@@ -7,7 +7,9 @@
 # Options (environment, or a list's "# ab-env:" line): QMOE_AB_SHAPES="E:topk:N:K,..." (default:
 # DeepSeek-V3 GEMM1/GEMM2, Qwen3-235B GEMM1, Mixtral GEMM1/GEMM2, Qwen3-30B GEMM1/GEMM2),
 # QMOE_AB_T="1,8,64,256", QMOE_AB_TACTIC=heuristic (or a tactic name), QMOE_AB_CHECK=1 (each binary's
-# correctness checks first: every tactic vs the CPU reference), QMOE_AB_MAX_T=512 (bf16 binaries).
+# correctness checks first: every tactic vs the CPU reference), QMOE_AB_MAX_T=512 (bf16 binaries),
+# QMOE_AB_TIMEOUT=<s> (per binary and run; default 150 for the checks, 120 for the timing: lower it for a
+# new kernel that might hang).
 # Output: stdout and $OUT/ab.log (appended).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,12 +37,12 @@ run_list() {
   for b in "${bins[@]}" "${bins[0]}"; do
     local name=${b##*/}
     if [[ "${QMOE_AB_CHECK:-0}" == 1 ]]; then
-      echo "$name check: $(timeout 150 "$b" 2>&1 | grep -E '^correctness')"
+      echo "$name check: $(timeout "${QMOE_AB_TIMEOUT:-150}" "$b" 2>&1 | grep -E '^correctness')"
     fi
     if [[ "$name" == bf16_* ]]; then
-      echo "$name: $(timeout 120 "$b" --bench-only "${QMOE_AB_MAX_T:-512}" 2>&1 | grep -E '^\| [a-z0-9]+ +\| gemm' | grep '\*' | awk -F'|' '$4 ~ /[0-9]/ {gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/ /, "", $4); gsub(/ /, "", $6); printf "%s/%s/T%s %s; ", $2, $3, $4, $6}')"
+      echo "$name: $(timeout "${QMOE_AB_TIMEOUT:-120}" "$b" --bench-only "${QMOE_AB_MAX_T:-512}" 2>&1 | grep -E '^\| [a-z0-9]+ +\| gemm' | grep '\*' | awk -F'|' '$4 ~ /[0-9]/ {gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/ /, "", $4); gsub(/ /, "", $6); printf "%s/%s/T%s %s; ", $2, $3, $4, $6}')"
     else
-      echo "$name: $(timeout 120 "$b" --bench-only 2>&1 | grep '^| gemm' | awk -F'|' '{gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/ /, "", $5); printf "%s/T%s %s; ", $2, $3, $5}')"
+      echo "$name: $(timeout "${QMOE_AB_TIMEOUT:-120}" "$b" --bench-only 2>&1 | grep '^| gemm' | awk -F'|' '{gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/ /, "", $5); printf "%s/T%s %s; ", $2, $3, $5}')"
     fi
   done
 }

@@ -34,6 +34,7 @@
 #include "cuda/gemm/resident_ctas.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
 #include "cuda/gemm/wgmma_building_blocks.cuh"
+#include "cuda/gemm/w4a8_wgmma_ss_kernel.cuh"
 #include "qmoe/error.h"
 
 namespace qmoe::cuda {
@@ -516,9 +517,17 @@ constexpr bool kActOut = std::is_same<OutT, ActE4m3>::value;
 // Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_h200_wgmma_ws.md); 64-token tiles
 // keep the two-CTAs-per-SM kernel, which measured 1-5% faster there (~120 registers and 75 KB: two
 // CTAs fit on an SM, and both are used).
+// Tiles whose loading warpgroup converts the weights and whose wgmmas read both operands from shared
+// memory (w4a8_wgmma_ss_kernel.cuh; not for the fused activation epilogue).
+constexpr bool kLoaderConverts128 = false, kLoaderConverts64 = false;
+constexpr bool kLoaderFences = true;
+constexpr int kLoaderGroups = 2;
 template <class OutT, int TILE_N, bool BIASED = false>
 void launch_typed(const wgmma::ParamsOf<OutT>& params, cudaStream_t stream) {
-  if constexpr (TILE_N == 128) {
+  if constexpr (!kActOut<OutT> && !BIASED && (TILE_N == 128 ? kLoaderConverts128 : kLoaderConverts64)) {
+    launch_persistent<wgmma_ss::kernel<OutT, TILE_N, kLoaderGroups, kLoaderFences>>(wgmma_ss::Roles<kLoaderGroups>::kThreads, wgmma_ss::Shape<TILE_N>::kSmemBytes, stream,
+                                                      params, "w4a8 wgmma prefill (shared-memory operands)");
+  } else if constexpr (TILE_N == 128) {
     launch_persistent<wgmma_ws::kernel<OutT, TILE_N, BIASED>>(
         wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, kActOut<OutT>>::kSmemBytes, stream, params, "w4a8 wgmma prefill");
   } else {

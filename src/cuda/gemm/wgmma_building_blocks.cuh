@@ -76,6 +76,7 @@ struct StageCopies {
   static_assert(LOADERS >= kTileM / 2 && LOADERS % 8 == 0, "a scale copy per row pair, whole activation rows");
   static constexpr int kRowsA = LOADERS / 8, kRowsW = LOADERS / 4;  // rows per pass: 8 and 4 chunks per row
   static constexpr int kPassesA = TILE_N / kRowsA, kPassesW = kTileM / kRowsW;
+  static_assert(TILE_N % kRowsA == 0 && kTileM % kRowsW == 0, "whole passes cover the tile");
   static_assert(kPassesA <= 32 && kPassesW <= 32, "validity masks are 32-bit");
   const uint8_t* a;         // activation row row0 + a_row, chunk a_chunk, group 0
   const uint8_t* w;         // weight row of tile row w_row, chunk w_chunk, group 0
