@@ -1,9 +1,7 @@
 // The bit algebra behind the int4 operands of the W4A8 kernels, checked on the host:
 //   - int4x8_to_biased_f16 (src/cuda/common/int4_to_f16.cuh, the decode tiles): every nibble value in
 //     every position becomes the fp16 (q + 8) * 2^-24, times 16 for the odd positions, in the half the
-//     kernel pairs it with; the bias constants are -8 * 2^-24 and -128 * 2^-24;
-//   - the biased e4m3 codes (the WGMMA kernels' BIASED experiment): byte (q XOR 8) is (q + 8) * 2^-9,
-//     and 0x88 is -8 * 2^-9.
+//     kernel pairs it with; the bias constants are -8 * 2^-24 and -128 * 2^-24.
 // The GPU tests check the kernels end to end; these pin the encodings they rely on.
 #include <gtest/gtest.h>
 
@@ -11,7 +9,6 @@
 #include <cstdint>
 
 #include "cuda/common/int4_to_f16.cuh"
-#include "qmoe/formats.h"
 
 namespace {
 
@@ -47,14 +44,6 @@ TEST(Int4OperandCodes, BiasConstants) {
                         static_cast<uint16_t>(qmoe::cuda::kF16MinusEightX16 >> 16)})
     EXPECT_EQ(f16_value(half), -8 * 16 * std::ldexp(1.0, -24));
   EXPECT_EQ(qmoe::cuda::kF16BiasedUnit, std::ldexp(1.0f, 24));
-  EXPECT_EQ(qmoe::e4m3_to_float(0x88), -8.0f * std::ldexp(1.0f, -9));  // the WGMMA bias weight
-}
-
-TEST(Int4OperandCodes, BiasedE4m3CodesAreExact) {
-  for (int q = -8; q <= 7; ++q) {
-    const uint8_t code = static_cast<uint8_t>((q & 0xF) ^ 8);
-    EXPECT_EQ(qmoe::e4m3_to_float(code), (q + 8) * std::ldexp(1.0f, -9)) << "q " << q;
-  }
 }
 
 }  // namespace

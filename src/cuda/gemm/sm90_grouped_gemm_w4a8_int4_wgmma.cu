@@ -34,7 +34,6 @@
 #include "cuda/gemm/resident_ctas.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
 #include "cuda/gemm/wgmma_building_blocks.cuh"
-#include "cuda/gemm/w4a8_wgmma_ss_kernel.cuh"
 #include "qmoe/error.h"
 
 namespace qmoe::cuda {
@@ -98,9 +97,8 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
   return int4x4_to_e4m3x4(v & 0x7777u, 0x3210u | ((v >> 1) & 0x4444u));
 }
 
-// BIASED: the experiment described at wgmma_ws::kernel (not in any shipped tactic).
 // OutT ActE4m3: the fused activation epilogue (A2 and s2 instead of d; act_requant_items.cuh).
-template <class OutT, int TILE_N, bool BIASED = false>
+template <class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
@@ -164,22 +162,14 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
       w0[c] = reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2))[c];
       w1[c] = reinterpret_cast<const uint4*>(sw + r1 * (kGroup / 2))[c];
     }
-    [[maybe_unused]] const uint32_t select = (tig & 1) ? 0x7362u : 0x5140u;  // BIASED: this thread's nibbles
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint32_t lo0 = (tig & 2) ? w0[k].y : w0[k].x, hi0 = (tig & 2) ? w0[k].w : w0[k].z;
       const uint32_t lo1 = (tig & 2) ? w1[k].y : w1[k].x, hi1 = (tig & 2) ? w1[k].w : w1[k].z;
-      if constexpr (BIASED) {
-        a[k][0] = int4x4_to_biased_e4m3x4(lo0, select);
-        a[k][1] = int4x4_to_biased_e4m3x4(lo1, select);
-        a[k][2] = int4x4_to_biased_e4m3x4(hi0, select);
-        a[k][3] = int4x4_to_biased_e4m3x4(hi1, select);
-      } else {
-        a[k][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
-        a[k][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
-        a[k][2] = int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
-        a[k][3] = int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
-      }
+      a[k][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
+      a[k][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
+      a[k][2] = int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
+      a[k][3] = int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
     }
   };
   // Stages up to `upto` have landed for this thread; after the barrier, for every thread (and for the
@@ -210,19 +200,13 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
     const int g = step_at.k, tile_index = step_at.tile;
     step_at.advance(groups);
     if constexpr (!kOverlapConvert) convert(it, a);
-    constexpr float kUnit = BIASED ? 512.f : 1.f;  // biased codes count in units of 2^-9
-    const float s0 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
-    const float s1 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
+    const float s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
+    const float s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
     const uint64_t desc = make_desc_sw128(smem_u32(st));
     wgmma_fence();
     fence_operands(part);
 #pragma unroll
     for (int k = 0; k < 4; ++k) wgmma_k32<kTileN>(part, a[k][0], a[k][1], a[k][2], a[k][3], desc + 2 * k, k > 0);
-    if constexpr (BIASED) {
-      constexpr uint32_t kMinus8 = 0x88888888u;  // four e4m3 -8 * 2^-9
-#pragma unroll
-      for (int k = 0; k < 4; ++k) wgmma_k32<kTileN>(part, kMinus8, kMinus8, kMinus8, kMinus8, desc + 2 * k, 1);
-    }
     wgmma_commit();
     if (kOverlapConvert && it + 1 < total_iters) convert(it + 1, a_next);
     wgmma_wait_all();
@@ -297,17 +281,12 @@ struct Shape {
   static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
 };
 
-// BIASED (an experiment, not in any shipped tactic; bench/ab/w4a8_wgmma_biased.txt): the weights enter
-// as biased codes q + 8 (the byte (q XOR 8) is (q + 8) * 2^-9 exactly in e4m3: 4 instructions per 4
-// weights instead of ~9 for the exact lookup), and one more wgmma per K step with every weight -8 * 2^-9
-// cancels the bias inside the same fp32 partial (twice the tensor work; the fp8 accumulation then also
-// carries the bias term, whose rounding the A/B run must measure against the 1e-2 tolerance).
 // OutT ActE4m3: the fused activation epilogue. The computing warpgroups park each tile's h (after the
 // previous one was taken: mbarrier park_free) and go on; the loading warpgroup runs the items loop
 // (act_requant_items.cuh) on it between its loads (mbarrier parked). Session 6 ran the items loop in the
 // computing warpgroups between two named barriers: bitwise right, 6-10% slower than the separate path
 // at T = 4096 (the tensor cores waited); this version was written after that run, not yet on a GPU.
-template <class OutT, int TILE_N, bool BIASED = false>
+template <class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
@@ -423,18 +402,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
     for (int k = 0; k < 4; ++k) {
       const uint32_t lo0 = (tig & 2) ? w0[k].y : w0[k].x, hi0 = (tig & 2) ? w0[k].w : w0[k].z;
       const uint32_t lo1 = (tig & 2) ? w1[k].y : w1[k].x, hi1 = (tig & 2) ? w1[k].w : w1[k].z;
-      if constexpr (BIASED) {
-        const uint32_t select = (tig & 1) ? 0x7362u : 0x5140u;  // this thread's nibbles: 0-3 or 4-7
-        out[k][0] = int4x4_to_biased_e4m3x4(lo0, select);
-        out[k][1] = int4x4_to_biased_e4m3x4(lo1, select);
-        out[k][2] = int4x4_to_biased_e4m3x4(hi0, select);
-        out[k][3] = int4x4_to_biased_e4m3x4(hi1, select);
-      } else {
-        out[k][0] = wgmma_prefill::int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
-        out[k][1] = wgmma_prefill::int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
-        out[k][2] = wgmma_prefill::int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
-        out[k][3] = wgmma_prefill::int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
-      }
+      out[k][0] = wgmma_prefill::int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
+      out[k][1] = wgmma_prefill::int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
+      out[k][2] = wgmma_prefill::int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
+      out[k][3] = wgmma_prefill::int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
     }
   };
 
@@ -450,9 +421,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
     const uint8_t* st = stages + s * S::kStageBytes;
     const uint64_t desc = wgmma::make_desc_sw128(wgmma::smem_u32(st));
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
-    constexpr float kUnit = BIASED ? 512.f : 1.f;  // biased codes count in units of 2^-9
-    const float s0 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
-    const float s1 = kUnit * __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
+    const float s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
+    const float s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
     const bool more = it + 1 < total_iters;
     if (kOverlapConvert && more) wait_full(it + 1);
     wgmma::wgmma_fence();
@@ -460,11 +430,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
 #pragma unroll
     for (int k = 0; k < 4; ++k)
       wgmma_prefill::wgmma_k32<TILE_N>(part, a[k][0], a[k][1], a[k][2], a[k][3], desc + 2 * k, k > 0);
-    if constexpr (BIASED) {
-      constexpr uint32_t kMinus8 = 0x88888888u;  // four e4m3 -8 * 2^-9
-#pragma unroll
-      for (int k = 0; k < 4; ++k) wgmma_prefill::wgmma_k32<TILE_N>(part, kMinus8, kMinus8, kMinus8, kMinus8, desc + 2 * k, 1);
-    }
     wgmma::wgmma_commit();
     if (kOverlapConvert && more) convert(it + 1, a_next);
     wgmma::wgmma_wait_all();
@@ -517,21 +482,13 @@ constexpr bool kActOut = std::is_same<OutT, ActE4m3>::value;
 // Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_h200_wgmma_ws.md); 64-token tiles
 // keep the two-CTAs-per-SM kernel, which measured 1-5% faster there (~120 registers and 75 KB: two
 // CTAs fit on an SM, and both are used).
-// Tiles whose loading warpgroup converts the weights and whose wgmmas read both operands from shared
-// memory (w4a8_wgmma_ss_kernel.cuh; not for the fused activation epilogue).
-constexpr bool kLoaderConverts128 = false, kLoaderConverts64 = false;
-constexpr bool kLoaderFences = true;
-constexpr int kLoaderGroups = 2;
-template <class OutT, int TILE_N, bool BIASED = false>
+template <class OutT, int TILE_N>
 void launch_typed(const wgmma::ParamsOf<OutT>& params, cudaStream_t stream) {
-  if constexpr (!kActOut<OutT> && !BIASED && (TILE_N == 128 ? kLoaderConverts128 : kLoaderConverts64)) {
-    launch_persistent<wgmma_ss::kernel<OutT, TILE_N, kLoaderGroups, kLoaderFences>>(wgmma_ss::Roles<kLoaderGroups>::kThreads, wgmma_ss::Shape<TILE_N>::kSmemBytes, stream,
-                                                      params, "w4a8 wgmma prefill (shared-memory operands)");
-  } else if constexpr (TILE_N == 128) {
-    launch_persistent<wgmma_ws::kernel<OutT, TILE_N, BIASED>>(
+  if constexpr (TILE_N == 128) {
+    launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(
         wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, kActOut<OutT>>::kSmemBytes, stream, params, "w4a8 wgmma prefill");
   } else {
-    launch_persistent<wgmma_prefill::kernel<OutT, TILE_N, BIASED>>(
+    launch_persistent<wgmma_prefill::kernel<OutT, TILE_N>>(
         wgmma_prefill::kThreads, wgmma_prefill::Shape<TILE_N, kActOut<OutT>>::kSmemBytes, stream, params,
         "w4a8 wgmma prefill");
   }
