@@ -479,7 +479,7 @@ template <class OutT>
 constexpr bool kActOut = std::is_same<OutT, ActE4m3>::value;
 
 // 128-token tiles: the warp-specialized kernel (1.1-1.25x faster on the H200 at DeepSeek-V3,
-// Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_h200_wgmma_ws.md); 64-token tiles
+// Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_s3_h200_wgmma_ws.md); 64-token tiles
 // keep the two-CTAs-per-SM kernel, which measured 1-5% faster there (~120 registers and 75 KB: two
 // CTAs fit on an SM, and both are used).
 template <class OutT, int TILE_N>
