@@ -197,7 +197,7 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     // WGMMA kernel (sm90_grouped_gemm_w4a8_int4_wgmma.cu): 128 weight rows x 128 or 64 tokens.
     // The pipeline scatters only with decode tiles (moe_pipeline_steps.cu fused_finalize_scatter).
     QMOE_CHECK_ARG(scatter.out == nullptr, "scatter", "no scatter with a WGMMA tactic", tactic.name());
-    launch_w4a8_wgmma_prefill(wgmma_params(params), tactic.tile_n, fp32_out, stream);
+    launch_w4a8_wgmma_prefill(wgmma_params(params), rows, tactic.tile_n, fp32_out, stream);
   } else {
     throw Error("tactic", "a tactic compiled into this build (see valid_tactics)", tactic.name());
   }

@@ -19,6 +19,7 @@
 // list built in shared memory from the device-side problem sizes, so empty experts cost nothing.
 // The stage loader, descriptors, barriers and epilogue stores: wgmma_building_blocks.cuh.
 // Limits (checked by the caller): K % 128 == 0, N % 8 == 0, E <= 1024, 16-byte aligned pointers.
+#include <cuda.h>  // CUtensorMap (the driver function is looked up at run time: no libcuda link)
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -253,9 +254,21 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
 // its "empty" mbarrier. The two compute warpgroups are not tied together by __syncthreads, so one's
 // int4 -> e4m3 conversion and group promotion run while the other's wgmmas use the tensor cores, and
 // each converts the next stage's weights while its own wgmmas run.
+// The warp-specialized kernel's plain variant (kTma) loads activations and weights with TMA: one thread
+// issues two box copies per stage instead of 128 threads ~14 cp.async each. The tensor maps are encoded on
+// the host per call (launch_typed). Rows past an expert's end come from the next rows of A (not zeros):
+// their token columns are never stored; weight rows past N likewise (the epilogue checks the row).
+constexpr bool kWsTma = true;
+struct WgmmaTmaParams : WgmmaGemmParams {
+  CUtensorMap act_map;     // A as [R rows, K bytes]: boxes of 128 tokens x 128 bytes, 128-byte swizzle
+  CUtensorMap weight_map;  // B as [E * N rows, K / 2 bytes]: boxes of 128 rows x 64 bytes
+};
+
 namespace wgmma_ws {
 
 using namespace wgmma;  // (wgmma_building_blocks.cuh)
+template <class OutT>
+using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActGemmParams, WgmmaTmaParams>;
 constexpr int kConsumers = 2;                     // compute warpgroups, 64 weight rows each
 constexpr int kThreads = 128 * (1 + kConsumers);  // + the loading warpgroup
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // setmaxnreg: 128 * 56 + 256 * 224 = 384 * 168
@@ -287,9 +300,10 @@ struct Shape {
 // computing warpgroups between two named barriers: bitwise right, 6-10% slower than the separate path
 // at T = 4096 (the tensor cores waited); this version was written after that run, not yet on a GPU.
 template <class OutT, int TILE_N>
-__global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT> p) {
+__global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
+  constexpr bool kTma = kWsTma && !kAct;
   using S = Shape<TILE_N, kAct>;
   constexpr int kStages = S::kStages;
   extern __shared__ uint8_t smem_raw[];
@@ -349,6 +363,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
     // The group and tile are counted (no division per stage); the next tile is located one tile ahead.
     TileStep at;
     LocatedTile ahead = tiles.locate(0);
+    [[maybe_unused]] int act_row = 0, weight_row = 0;  // kTma: the tile's first rows in the two maps
     for (int it = 0; it < total_iters; ++it) {
       const int g = at.k, s = it % kStages;
       if constexpr (kAct) {
@@ -360,10 +375,26 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const wgmma::ParamsOf<OutT
           copies = wgmma::stage_copies<TILE_N, 128, true>(p, t, tid, act_tile_rows<kTileM>(p.act_out, t.n0));
         } else {
           copies = wgmma::stage_copies<TILE_N, 128>(p, t, tid);
+          if constexpr (kTma) {
+            act_row = t.row0;
+            weight_row = t.expert * p.n + t.n0;
+          }
         }
       }
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-      wgmma::load_stage<TILE_N, 128, kAct>(p, copies, g, wgmma::smem_u32(stages + s * S::kStageBytes), tid);
+      const uint32_t sa = wgmma::smem_u32(stages + s * S::kStageBytes);
+      if constexpr (kTma) {
+        // full[s] completes after the 128 loaders' scale copies (arrive.noinc) and the two boxes' bytes;
+        // the bytes are announced before thread 0's own arrival, so the phase cannot end without them.
+        if (tid == 0) {
+          mbar_expect_tx(&full[s], TILE_N * kGroup + kStageW);
+          tma_load_2d(sa, &p.act_map, g * kGroup, act_row, &full[s]);
+          tma_load_2d(sa + TILE_N * kGroup, &p.weight_map, g * (kGroup / 2), weight_row, &full[s]);
+        }
+        wgmma::load_stage_scales<TILE_N, 128>(p, copies, g, sa + TILE_N * kGroup + kStageW, tid);
+      } else {
+        wgmma::load_stage<TILE_N, 128, kAct>(p, copies, g, sa, tid);
+      }
       mbar_arrive_cp_async(&full[s]);
       at.advance(groups);
     }
@@ -482,9 +513,50 @@ constexpr bool kActOut = std::is_same<OutT, ActE4m3>::value;
 // Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_s3_h200_wgmma_ws.md); 64-token tiles
 // keep the two-CTAs-per-SM kernel, which measured 1-5% faster there (~120 registers and 75 KB: two
 // CTAs fit on an SM, and both are used).
+// cuTensorMapEncodeTiled from the driver, looked up once (the library links only the CUDA runtime).
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found),
+               "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+    QMOE_CHECK_ARG(found == cudaDriverEntryPointSuccess && f != nullptr, "driver",
+                   "a CUDA driver with cuTensorMapEncodeTiled (CUDA 12+)", "none");
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// A row-major byte matrix [rows, row_bytes] as a 2-D tensor map with boxes of box_rows x box_bytes.
+CUtensorMap byte_matrix_map(const void* base, int64_t rows, int64_t row_bytes, int box_rows, int box_bytes,
+                            CUtensorMapSwizzle swizzle) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_bytes), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box,
+                                    element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  QMOE_CHECK_ARG(r == CUDA_SUCCESS, "tensor map", "cuTensorMapEncodeTiled to accept the operand",
+                 "error " + std::to_string(static_cast<int>(r)));
+  return map;
+}
+
 template <class OutT, int TILE_N>
-void launch_typed(const wgmma::ParamsOf<OutT>& params, cudaStream_t stream) {
-  if constexpr (TILE_N == 128) {
+void launch_typed(const wgmma::ParamsOf<OutT>& params, int64_t rows, cudaStream_t stream) {
+  if constexpr (TILE_N == 128 && kWsTma && !kActOut<OutT>) {
+    WgmmaTmaParams tp;
+    static_cast<WgmmaGemmParams&>(tp) = params;
+    tp.act_map = byte_matrix_map(params.a, rows, params.k, TILE_N, wgmma::kGroup, CU_TENSOR_MAP_SWIZZLE_128B);
+    tp.weight_map = byte_matrix_map(params.b, static_cast<int64_t>(params.num_experts) * params.n, params.k / 2,
+                                    wgmma::kTileM, wgmma::kGroup / 2, CU_TENSOR_MAP_SWIZZLE_NONE);
+    launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(
+        wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, false>::kSmemBytes, stream, tp, "w4a8 wgmma prefill");
+  } else if constexpr (TILE_N == 128) {
     launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(
         wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, kActOut<OutT>>::kSmemBytes, stream, params, "w4a8 wgmma prefill");
   } else {
@@ -496,21 +568,23 @@ void launch_typed(const wgmma::ParamsOf<OutT>& params, cudaStream_t stream) {
 
 }  // namespace
 
-void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int tile_n, bool fp32_out, cudaStream_t stream) {
+void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int tile_n, bool fp32_out,
+                               cudaStream_t stream) {
   QMOE_CHECK_ARG(tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 64 or 128", std::to_string(tile_n));
   if (tile_n == 128) {
-    if (fp32_out) launch_typed<float, 128>(params, stream);
-    else launch_typed<__nv_bfloat16, 128>(params, stream);
+    if (fp32_out) launch_typed<float, 128>(params, rows, stream);
+    else launch_typed<__nv_bfloat16, 128>(params, rows, stream);
   } else {
-    if (fp32_out) launch_typed<float, 64>(params, stream);
-    else launch_typed<__nv_bfloat16, 64>(params, stream);
+    if (fp32_out) launch_typed<float, 64>(params, rows, stream);
+    else launch_typed<__nv_bfloat16, 64>(params, rows, stream);
   }
 }
 
 void launch_w4a8_wgmma_act_requant(const WgmmaActGemmParams& params, int tile_n, cudaStream_t stream) {
   QMOE_CHECK_ARG(tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 64 or 128", std::to_string(tile_n));
-  if (tile_n == 128) launch_typed<ActE4m3, 128>(params, stream);
-  else launch_typed<ActE4m3, 64>(params, stream);
+  // (rows: only the TMA loads of the plain kernel use them)
+  if (tile_n == 128) launch_typed<ActE4m3, 128>(params, 0, stream);
+  else launch_typed<ActE4m3, 64>(params, 0, stream);
 }
 
 }  // namespace qmoe::cuda

@@ -25,7 +25,9 @@ struct WgmmaGemmParams {
   int scales_packed4;             // 1: K % 512 == 0 layout
 };
 
-void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int tile_n, bool fp32_out, cudaStream_t stream);
+// rows: the rows of a (R).
+void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int tile_n, bool fp32_out,
+                               cudaStream_t stream);
 
 // GEMM1 of the fused w4a8_int4 pipeline with the activation and the requantization as the epilogue
 // (w4a8_act_requant.h, act_requant_items.cuh): A2 and s2 instead of d. A separate struct, as for the

@@ -126,6 +126,18 @@ __device__ __forceinline__ StageCopies<TILE_N, LOADERS> stage_copies(const Wgmma
   return c;
 }
 
+// The scales of group g at ss (load_stage's last part; alone in the TMA variant, which copies the rest).
+template <int TILE_N, int LOADERS>
+__device__ __forceinline__ void load_stage_scales(const WgmmaGemmParams& p, const StageCopies<TILE_N, LOADERS>& c, int g,
+                                                  uint32_t ss, int loader) {
+  if (p.scales_packed4) {
+    if (loader < kTileM / 2)
+      cp_async_16(ss + loader * 16, c.s_valid ? c.s + static_cast<int64_t>(g / 4) * 4 * p.n : p.b_scales, c.s_valid);
+  } else if (loader < kTileM / 8) {
+    cp_async_16(ss + loader * 16, c.s_valid ? c.s + static_cast<int64_t>(g) * p.n : p.b_scales, c.s_valid);
+  }
+}
+
 template <int TILE_N, int LOADERS, bool kAct = false>
 __device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const StageCopies<TILE_N, LOADERS>& c, int g,
                                            uint32_t sa, int loader) {
@@ -148,12 +160,7 @@ __device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const Stage
     const int64_t jump = kAct && r >= kTileM / 2 ? c.w_jump : 0;
     cp_async_16(sw + r * (kGroup / 2) + w_chunk * 16, valid ? c.w + i * w_pass + jump + g * (kGroup / 2) : p.b, valid);
   }
-  if (p.scales_packed4) {
-    if (loader < kTileM / 2)
-      cp_async_16(ss + loader * 16, c.s_valid ? c.s + static_cast<int64_t>(g / 4) * 4 * p.n : p.b_scales, c.s_valid);
-  } else if (loader < kTileM / 8) {
-    cp_async_16(ss + loader * 16, c.s_valid ? c.s + static_cast<int64_t>(g) * p.n : p.b_scales, c.s_valid);
-  }
+  load_stage_scales(p, c, g, ss, loader);
 }
 
 template <class OutT>
@@ -215,6 +222,19 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 __device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
+// The transaction bytes the next phase of bar waits for (TMA copies), without an arrival.
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// One TMA box of a 2-D tensor map (a __grid_constant__ kernel parameter) into shared memory at dst; its
+// bytes complete a transaction of bar. c0: the inner (contiguous) coordinate, c1: the row.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+      : "memory");
+}
+
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
   const uint32_t addr = smem_u32(bar);
   uint32_t done = 0;
