@@ -9,12 +9,13 @@
 // tile) holds weight rows: int4 codes are turned into e4m3 in registers (every int4 value is exact
 // in e4m3) and fed as the register A operand; the N side holds 128 token rows of activations, read
 // by the tensor cores from shared memory (B operand, K-major, 128-byte swizzle). One pipeline stage
-// is one K group: 16 KB of activations, 8 KB of weights, the tile's scales; cp.async fills STAGES of
-// them ahead, across tile boundaries. Two kernels (same math, same bits):
-//   wgmma_ws       128-token tiles: warp-specialized, a loading warpgroup (cp.async, per-stage
-//                  mbarriers) and two computing warpgroups that run out of step, 8 stages;
+// is one K group: 16 KB of activations, 8 KB of weights, the tile's scales, loaded STAGES ahead, across
+// tile boundaries. Two kernels (same math, same bits):
+//   wgmma_ws       128-token tiles: warp-specialized, a loading warpgroup (per-stage mbarriers; TMA box
+//                  copies of activations and weights, cp.async for the scales and for the fused
+//                  epilogue's remapped rows) and two computing warpgroups that run out of step, 6 stages;
 //   wgmma_prefill  64-token tiles (wgmma m64n64k32), for experts with fewer rows: all warps load
-//                  and compute in step, two CTAs per SM.
+//                  (cp.async) and compute in step, two CTAs per SM.
 // A persistent grid walks the (expert, feature tile, token tile)
 // list built in shared memory from the device-side problem sizes, so empty experts cost nothing.
 // The stage loader, descriptors, barriers and epilogue stores: wgmma_building_blocks.cuh.
