@@ -10,7 +10,7 @@
 # correctness checks first: every tactic vs the CPU reference), QMOE_AB_MAX_T=512 (bf16 binaries),
 # QMOE_AB_TIMEOUT=<s> (per binary and run; default 150 for the checks, 120 for the timing: lower it for a
 # new kernel that might hang).
-# Output: stdout and $OUT/ab.log (appended).
+# Output: stdout and $OUT/ab.log (appended). Binaries of whole commits (a branch against main): scripts/build_ab_revs.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # carried as one packed file (build_gemm_variants.sh all): unpack it first
