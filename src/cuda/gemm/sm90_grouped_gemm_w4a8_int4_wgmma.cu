@@ -99,6 +99,29 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
   return int4x4_to_e4m3x4(v & 0x7777u, 0x3210u | ((v >> 1) & 0x4444u));
 }
 
+// The A operand of one stage (both kernels): this thread's int4 weights, rows r0 and r1 of the stage's
+// weight tile at sw (64 bytes a row), as e4m3. K step k (32 K = 16 bytes of a row): the A registers hold
+// K 4 tig..+3 (bytes 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then r1.
+// shift: (tig & 1) * 16, the caller's (computed once per kernel).
+__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int r1, int tig, int shift,
+                                                uint32_t (&a)[4][4]) {
+  uint4 w0[4], w1[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    w0[c] = reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2))[c];
+    w1[c] = reinterpret_cast<const uint4*>(sw + r1 * (kGroup / 2))[c];
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t lo0 = (tig & 2) ? w0[k].y : w0[k].x, hi0 = (tig & 2) ? w0[k].w : w0[k].z;
+    const uint32_t lo1 = (tig & 2) ? w1[k].y : w1[k].x, hi1 = (tig & 2) ? w1[k].w : w1[k].z;
+    a[k][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
+    a[k][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
+    a[k][2] = int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
+    a[k][3] = int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
+  }
+}
+
 // OutT ActE4m3: the fused activation epilogue (A2 and s2 instead of d; act_requant_items.cuh).
 template <class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const ParamsOf<OutT> p) {
@@ -153,26 +176,9 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
 
-  // The A operand: this thread's int4 weights of stage `it` as e4m3. K step s (32 K = 16 bytes of a
-  // row): the A registers hold K 4 tig..+3 (bytes 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes
-  // 8 + 2 tig, 9 + 2 tig), rows r0 then r1.
+  // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
-    const uint8_t* sw = stages + (it % kStages) * S::kStageBytes + S::kStageA;
-    uint4 w0[4], w1[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      w0[c] = reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2))[c];
-      w1[c] = reinterpret_cast<const uint4*>(sw + r1 * (kGroup / 2))[c];
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t lo0 = (tig & 2) ? w0[k].y : w0[k].x, hi0 = (tig & 2) ? w0[k].w : w0[k].z;
-      const uint32_t lo1 = (tig & 2) ? w1[k].y : w1[k].x, hi1 = (tig & 2) ? w1[k].w : w1[k].z;
-      a[k][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
-      a[k][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
-      a[k][2] = int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
-      a[k][3] = int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
-    }
+    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, tig, shift, a);
   };
   // Stages up to `upto` have landed for this thread; after the barrier, for every thread (and for the
   // tensor cores, which read shared memory through the async proxy: the fence), and every thread is
@@ -423,22 +429,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   };
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t (&out)[4][4]) {
-    const uint8_t* sw = stages + (it % kStages) * S::kStageBytes + S::kStageA;
-    uint4 w0[4], w1[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      w0[c] = reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2))[c];
-      w1[c] = reinterpret_cast<const uint4*>(sw + r1 * (kGroup / 2))[c];
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t lo0 = (tig & 2) ? w0[k].y : w0[k].x, hi0 = (tig & 2) ? w0[k].w : w0[k].z;
-      const uint32_t lo1 = (tig & 2) ? w1[k].y : w1[k].x, hi1 = (tig & 2) ? w1[k].w : w1[k].z;
-      out[k][0] = wgmma_prefill::int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
-      out[k][1] = wgmma_prefill::int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
-      out[k][2] = wgmma_prefill::int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
-      out[k][3] = wgmma_prefill::int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
-    }
+    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, tig, shift, out);
   };
 
   GroupedTile t{0, 0, 0, 0};
