@@ -256,11 +256,12 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
 
 }  // namespace wgmma_prefill
 
-// Warp-specialized variant: warpgroup 0 only loads (cp.async, completion signalled on a per-stage
-// "full" mbarrier), warpgroups 1 and 2 only compute (64 weight rows each) and hand a stage back on
+// Warp-specialized variant: warpgroup 0 only loads (TMA boxes and cp.async, see kWsTma below; completion
+// signalled on a per-stage "full" mbarrier), warpgroups 1 and 2 only compute (64 weight rows each) and hand a stage back on
 // its "empty" mbarrier. The two compute warpgroups are not tied together by __syncthreads, so one's
 // int4 -> e4m3 conversion and group promotion run while the other's wgmmas use the tensor cores, and
 // each converts the next stage's weights while its own wgmmas run.
+//
 // The warp-specialized kernel's plain variant (kTma) loads activations and weights with TMA: one thread
 // issues two box copies per stage instead of 128 threads ~14 cp.async each. The tensor maps are encoded on
 // the host per call (launch_typed). Rows past an expert's end come from the next rows of A (not zeros):
