@@ -11,11 +11,12 @@
 // by the tensor cores from shared memory (B operand, K-major, 128-byte swizzle). One pipeline stage
 // is one K group: 16 KB of activations, 8 KB of weights, the tile's scales, loaded STAGES ahead, across
 // tile boundaries. Two kernels (same math, same bits):
-//   wgmma_ws       128-token tiles: warp-specialized, a loading warpgroup (per-stage mbarriers; TMA box
-//                  copies of activations and weights, cp.async for the scales and for the fused
-//                  epilogue's remapped rows) and two computing warpgroups that run out of step, 6 stages;
-//   wgmma_prefill  64-token tiles (wgmma m64n64k32), for experts with fewer rows: all warps load
-//                  (cp.async) and compute in step, two CTAs per SM.
+//   wgmma_ws       128-token tiles: warp-specialized, a loading warpgroup (per-stage mbarriers) and two
+//                  computing warpgroups that run out of step, 6 stages;
+//   wgmma_prefill  64-token tiles (wgmma m64n64k32), for experts with fewer rows: all warps compute in
+//                  step, two CTAs per SM.
+// Both load a stage as three TMA boxes (activations, weights, scales) from one thread, except the fused
+// activation epilogue's variants, whose remapped weight rows every loading thread gathers with cp.async.
 // A persistent grid walks the (expert, feature tile, token tile)
 // list built in shared memory from the device-side problem sizes, so empty experts cost nothing.
 // The stage loader, descriptors, barriers and epilogue stores: wgmma_building_blocks.cuh.
@@ -39,6 +40,49 @@
 #include "qmoe/error.h"
 
 namespace qmoe::cuda {
+// TMA stages (both kernels' plain variants, kTma): one thread issues three box copies per stage
+// (activations, weights, scales) instead of every loading thread ~14 cp.async; one mbarrier transaction
+// per stage tells the computing threads it landed. The tensor maps are encoded on the host per call
+// (tma_params). Rows past an expert's end come from the next rows of A (not zeros): their token columns
+// are never stored; weight rows past N likewise (the epilogue checks the row); past the tensors' ends the
+// boxes are zero-filled. The fused epilogue (kAct) gathers remapped weight rows and keeps cp.async.
+struct WgmmaTmaParams : WgmmaGemmParams {
+  CUtensorMap act_map;     // A as [R rows, K bytes]: boxes of TILE_N tokens x 128 bytes, 128-byte swizzle
+  CUtensorMap weight_map;  // B as [E * N rows, K / 2 bytes]: boxes of 128 rows x 64 bytes
+  CUtensorMap scale_map;   // scales as [E * K/512 rows, N x 8 bytes] (packed-4) or [E * K/128, N x 2]: 128 per box
+};
+
+namespace wgmma {
+
+// Where a tile's boxes start in the three maps; a stage adds its group.
+struct TmaTile {
+  int act_row, weight_row, scale_row, n0;
+};
+__device__ __forceinline__ TmaTile tma_tile(const WgmmaGemmParams& p, const GroupedTile& t) {
+  const int scale_rows_per_expert = p.scales_packed4 ? p.k / 512 : p.k / kGroup;
+  return {t.row0, t.expert * p.n + t.n0, t.expert * scale_rows_per_expert, t.n0};
+}
+// The bytes of one stage: the boxes are full even where they are zero-filled.
+template <int TILE_N>
+__device__ __forceinline__ uint32_t tma_stage_bytes(const WgmmaGemmParams& p) {
+  return TILE_N * kGroup + kStageW + (p.scales_packed4 ? kTileM * 8 : kTileM * 2);
+}
+// Stage (tile t, group g) into shared memory at sa (activations, weights, scales as load_stage lays them
+// out); the bytes complete a transaction of bar, which the caller announced (mbar_arrive_expect_tx).
+template <int TILE_N>
+__device__ __forceinline__ void tma_load_stage(const WgmmaTmaParams& p, const TmaTile& t, int g, uint32_t sa,
+                                               uint64_t* bar) {
+  tma_load_2d(sa, &p.act_map, g * kGroup, t.act_row, bar);
+  tma_load_2d(sa + TILE_N * kGroup, &p.weight_map, g * (kGroup / 2), t.weight_row, bar);
+  tma_load_2d(sa + TILE_N * kGroup + kStageW, &p.scale_map, t.n0, t.scale_row + (p.scales_packed4 ? g / 4 : g), bar);
+}
+
+// The fused epilogue's kernels take its block; the plain kernels the TMA block.
+template <class OutT>
+using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActGemmParams, WgmmaTmaParams>;
+
+}  // namespace wgmma
+
 namespace wgmma_prefill {
 
 using namespace wgmma;  // (wgmma_building_blocks.cuh)
@@ -60,10 +104,12 @@ struct Shape {
   static constexpr int kStageA = TILE_N * kGroup;         // activations, TILE_N rows x 128 bytes
   static constexpr int kStageBytes = kStageA + kStageW + kStageS;
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
-  // park: 16-byte aligned (float2 reads), after the work list; the plain kernels keep their size.
-  static constexpr int kParkOffset = (kStages * kStageBytes + kTileStartBytes + 15) / 16 * 16;
+  static constexpr int kBarrierBytes = kAct ? 0 : kStages * 8;  // the TMA variant's "full" mbarriers
+  // park: 16-byte aligned (float2 reads), after the work list; the plain kernels have none.
+  static constexpr int kParkOffset = (kStages * kStageBytes + kBarrierBytes + kTileStartBytes + 15) / 16 * 16;
   static constexpr int kParkBytes = kAct ? 16 + TILE_N * kParkStride * 4 : 0;
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kTileStartBytes + kParkBytes;  // + alignment slack
+  static constexpr int kSmemBytes =
+      1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes + kParkBytes;  // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
 };
 
@@ -123,35 +169,44 @@ __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int r
 }
 
 // OutT ActE4m3: the fused activation epilogue (A2 and s2 instead of d; act_requant_items.cuh).
+// The plain variants (bf16 / fp32 out) load by TMA (kTma: thread 0 issues a stage's boxes, per-stage
+// mbarriers); the fused epilogue's variant loads with cp.async from every thread.
 template <class OutT, int TILE_N>
-__global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const ParamsOf<OutT> p) {
+__global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const __grid_constant__ ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
+  constexpr bool kTma = !kAct;
   using S = Shape<TILE_N, kAct>;
   constexpr int kTileN = TILE_N;
   constexpr int kStages = S::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_1024(smem_raw);  // the swizzled activation tiles need 1024-byte alignment
   uint8_t* stages = smem;
-  int32_t* tile_start = reinterpret_cast<int32_t*>(smem + kStages * S::kStageBytes);
+  [[maybe_unused]] uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * S::kStageBytes);  // (kTma only)
+  int32_t* tile_start = reinterpret_cast<int32_t*>(smem + kStages * S::kStageBytes + S::kBarrierBytes);
   int32_t* warp_total = tile_start + kMaxExperts + 1;
   [[maybe_unused]] float* park = reinterpret_cast<float*>(smem + S::kParkOffset);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if constexpr (kTma) {
+    if (tid == 0)
+      for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1);  // thread 0's arrival + the boxes' bytes
+  }
   const int E = p.num_experts;
   const int n_tiles = (p.n + kTileM - 1) / kTileM;
   const int groups = p.k / kGroup;
 
-  // ---- Work list (grouped_tile_list.cuh).
+  // ---- Work list (grouped_tile_list.cuh; its barriers also publish the mbarrier initialisation).
   const auto tiles =
       cta_tiles<kThreads, kTileM, kTileN>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
   if (tiles.empty()) return;
   const int total_iters = tiles.count * groups;
 
-  // ---- Producer: every thread copies its share of each stage (load_stage).
-  // Calls come in order (it = 0, 1, ...): the group and tile are counted, not divided out, and the next
-  // tile is located one tile ahead (grouped_tile_list.cuh: LocatedTile).
-  StageCopies<kTileN, kThreads> copies{};
+  // ---- Producer. kTma: thread 0 issues each stage's boxes; else every thread copies its share of each
+  // stage (load_stage). Calls come in order (it = 0, 1, ...): the group and tile are counted, not
+  // divided out, and the next tile is located one tile ahead (grouped_tile_list.cuh: LocatedTile).
+  [[maybe_unused]] StageCopies<kTileN, kThreads> copies{};
+  [[maybe_unused]] TmaTile boxes{};
   TileStep load_at;
   LocatedTile load_ahead = tiles.locate(0);
   auto issue_loads = [&](int it) {
@@ -160,12 +215,21 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
       const GroupedTile t = tiles.take(load_ahead, load_at.tile);
       if constexpr (kAct) {
         copies = stage_copies<kTileN, kThreads, true>(p, t, tid, act_tile_rows<kTileM>(p.act_out, t.n0));
+      } else if constexpr (kTma) {
+        boxes = tma_tile(p, t);
       } else {
         copies = stage_copies<kTileN, kThreads>(p, t, tid);
       }
     }
     load_at.advance(groups);
-    load_stage<kTileN, kThreads, kAct>(p, copies, g, smem_u32(stages + (it % kStages) * S::kStageBytes), tid);
+    const uint32_t sa = smem_u32(stages + (it % kStages) * S::kStageBytes);
+    if constexpr (kTma) {
+      uint64_t* bar = &full[it % kStages];
+      mbar_arrive_expect_tx(bar, tma_stage_bytes<kTileN>(p));
+      tma_load_stage<kTileN>(p, boxes, g, sa, bar);
+    } else {
+      load_stage<kTileN, kThreads, kAct>(p, copies, g, sa, tid);
+    }
   };
 
   // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {gid, gid + 8}.
@@ -180,28 +244,42 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
     stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, tig, shift, a);
   };
-  // Stages up to `upto` have landed for this thread; after the barrier, for every thread (and for the
-  // tensor cores, which read shared memory through the async proxy: the fence), and every thread is
-  // past its previous step, so the stage that step used may be refilled.
+  // cp.async: stages up to `upto` have landed for this thread; after the barrier, for every thread (and
+  // for the tensor cores, which read shared memory through the async proxy: the fence), and every
+  // thread is past its previous step, so the stage that step used may be refilled.
   auto publish = [&]() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
   };
+  // kTma: stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
+  [[maybe_unused]] auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < total_iters) issue_loads(s);
-    cp_async_commit();
+    if constexpr (kTma) {
+      if (tid == 0 && s < total_iters) issue_loads(s);
+    } else {
+      if (s < total_iters) issue_loads(s);
+      cp_async_commit();
+    }
   }
   TileStep step_at;  // the group and tile the next step computes
-  // One K group. kOverlapConvert: stage it + 1 is published with stage it, and its weights become
+  // One K group. kOverlapConvert: stage it + 1 is awaited with stage it, and its weights become
   // `a_next` while stage it's wgmmas (on `a`, converted one step earlier) run.
   auto step = [&](int it, uint32_t(&a)[4][4], uint32_t(&a_next)[4][4]) {
-    if constexpr (kOverlapConvert) cp_async_wait<kStages - 3>();  // stages <= it + 1
-    else cp_async_wait<kStages - 2>();                            // stages <= it
-    publish();  // (also retires stage it - 1, which the copy issued just below overwrites)
-    if (it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
-    cp_async_commit();
+    if constexpr (kTma) {
+      // Every thread is past step it - 1: the stage it used may be refilled.
+      __syncthreads();
+      if (tid == 0 && it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
+      if (kOverlapConvert && it + 1 < total_iters) wait_full(it + 1);
+      if (!kOverlapConvert) wait_full(it);
+    } else {
+      if constexpr (kOverlapConvert) cp_async_wait<kStages - 3>();  // stages <= it + 1
+      else cp_async_wait<kStages - 2>();                            // stages <= it
+      publish();  // (also retires stage it - 1, which the copy issued just below overwrites)
+      if (it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
+      cp_async_commit();
+    }
 
     const uint8_t* st = stages + (it % kStages) * S::kStageBytes;
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
@@ -244,8 +322,12 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
   // Two A buffers, swapped by unrolling two steps (a runtime index would put them in local memory).
   uint32_t a_even[4][4], a_odd[4][4];
   if constexpr (kOverlapConvert) {
-    cp_async_wait<kStages - 2>();  // stage 0
-    publish();
+    if constexpr (kTma) {
+      wait_full(0);
+    } else {
+      cp_async_wait<kStages - 2>();  // stage 0
+      publish();
+    }
     convert(0, a_even);
   }
   for (int it = 0; it < total_iters; it += 2) {
@@ -256,27 +338,15 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const P
 
 }  // namespace wgmma_prefill
 
-// Warp-specialized variant: warpgroup 0 only loads (TMA boxes and cp.async, see kWsTma below; completion
-// signalled on a per-stage "full" mbarrier), warpgroups 1 and 2 only compute (64 weight rows each) and hand a stage back on
+// Warp-specialized variant: warpgroup 0 only loads (TMA boxes from one thread in the plain variants,
+// cp.async from all 128 in the fused epilogue's; completion signalled on a per-stage "full" mbarrier), warpgroups 1 and 2 only compute (64 weight rows each) and hand a stage back on
 // its "empty" mbarrier. The two compute warpgroups are not tied together by __syncthreads, so one's
 // int4 -> e4m3 conversion and group promotion run while the other's wgmmas use the tensor cores, and
 // each converts the next stage's weights while its own wgmmas run.
 //
-// The warp-specialized kernel's plain variant (kTma) loads activations and weights with TMA: one thread
-// issues two box copies per stage instead of 128 threads ~14 cp.async each. The tensor maps are encoded on
-// the host per call (launch_typed). Rows past an expert's end come from the next rows of A (not zeros):
-// their token columns are never stored; weight rows past N likewise (the epilogue checks the row).
-constexpr bool kWsTma = true;
-struct WgmmaTmaParams : WgmmaGemmParams {
-  CUtensorMap act_map;     // A as [R rows, K bytes]: boxes of 128 tokens x 128 bytes, 128-byte swizzle
-  CUtensorMap weight_map;  // B as [E * N rows, K / 2 bytes]: boxes of 128 rows x 64 bytes
-};
-
 namespace wgmma_ws {
 
 using namespace wgmma;  // (wgmma_building_blocks.cuh)
-template <class OutT>
-using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActGemmParams, WgmmaTmaParams>;
 constexpr int kConsumers = 2;                     // compute warpgroups, 64 weight rows each
 constexpr int kThreads = 128 * (1 + kConsumers);  // + the loading warpgroup
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // setmaxnreg: 128 * 56 + 256 * 224 = 384 * 168
@@ -311,7 +381,7 @@ template <class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
-  constexpr bool kTma = kWsTma && !kAct;
+  constexpr bool kTma = !kAct;  // (TMA stages: see WgmmaTmaParams)
   using S = Shape<TILE_N, kAct>;
   constexpr int kStages = S::kStages;
   extern __shared__ uint8_t smem_raw[];
@@ -328,7 +398,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 128);               // every loading thread, after its copies landed
+      mbar_init(&full[s], kTma ? 1 : 128);    // kTma: thread 0's arrival + the boxes' bytes; else every
+                                              // loading thread, after its copies landed
       mbar_init(&empty[s], 128 * kConsumers);  // every computing thread, after its wgmmas read the stage
     }
     if constexpr (kAct) {
@@ -352,7 +423,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   if (wg == 0) {
     // ---- Loading warpgroup: stage it % kStages once the computing warpgroups released it.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    wgmma::StageCopies<TILE_N, 128> copies{};
+    if (kTma && tid != 0) return;  // one thread issues the boxes
+    [[maybe_unused]] wgmma::StageCopies<TILE_N, 128> copies{};
+    [[maybe_unused]] wgmma::TmaTile boxes{};
     // Fused epilogue: this warpgroup also turns each parked h into A2 and s2, so that the computing
     // warpgroups go on with the next tile meanwhile. Tile u's h is taken once kStages - 1 stages past
     // its end are loaded (the computing warpgroups then have that much work queued); the last tiles'
@@ -371,7 +444,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     // The group and tile are counted (no division per stage); the next tile is located one tile ahead.
     TileStep at;
     LocatedTile ahead = tiles.locate(0);
-    [[maybe_unused]] int act_row = 0, weight_row = 0;  // kTma: the tile's first rows in the two maps
     for (int it = 0; it < total_iters; ++it) {
       const int g = at.k, s = it % kStages;
       if constexpr (kAct) {
@@ -381,29 +453,21 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
         const GroupedTile t = tiles.take(ahead, at.tile);
         if constexpr (kAct) {
           copies = wgmma::stage_copies<TILE_N, 128, true>(p, t, tid, act_tile_rows<kTileM>(p.act_out, t.n0));
+        } else if constexpr (kTma) {
+          boxes = wgmma::tma_tile(p, t);
         } else {
           copies = wgmma::stage_copies<TILE_N, 128>(p, t, tid);
-          if constexpr (kTma) {
-            act_row = t.row0;
-            weight_row = t.expert * p.n + t.n0;
-          }
         }
       }
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
       const uint32_t sa = wgmma::smem_u32(stages + s * S::kStageBytes);
       if constexpr (kTma) {
-        // full[s] completes after the 128 loaders' scale copies (arrive.noinc) and the two boxes' bytes;
-        // the bytes are announced before thread 0's own arrival, so the phase cannot end without them.
-        if (tid == 0) {
-          mbar_expect_tx(&full[s], TILE_N * kGroup + kStageW);
-          tma_load_2d(sa, &p.act_map, g * kGroup, act_row, &full[s]);
-          tma_load_2d(sa + TILE_N * kGroup, &p.weight_map, g * (kGroup / 2), weight_row, &full[s]);
-        }
-        wgmma::load_stage_scales<TILE_N, 128>(p, copies, g, sa + TILE_N * kGroup + kStageW, tid);
+        mbar_arrive_expect_tx(&full[s], wgmma::tma_stage_bytes<TILE_N>(p));
+        wgmma::tma_load_stage<TILE_N>(p, boxes, g, sa, &full[s]);
       } else {
         wgmma::load_stage<TILE_N, 128, kAct>(p, copies, g, sa, tid);
+        mbar_arrive_cp_async(&full[s]);
       }
-      mbar_arrive_cp_async(&full[s]);
       at.advance(groups);
     }
     if constexpr (kAct) {
@@ -523,39 +587,64 @@ EncodeTiled encode_tiled() {
   return fn;
 }
 
-// A row-major byte matrix [rows, row_bytes] as a 2-D tensor map with boxes of box_rows x box_bytes.
-CUtensorMap byte_matrix_map(const void* base, int64_t rows, int64_t row_bytes, int box_rows, int box_bytes,
-                            CUtensorMapSwizzle swizzle) {
+// A row-major matrix [rows, cols] of elem_bytes-wide elements as a 2-D tensor map with boxes of
+// box_rows x box_cols elements.
+CUtensorMap matrix_map(const void* base, CUtensorMapDataType type, int elem_bytes, int64_t rows, int64_t cols,
+                       int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
   CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_bytes), static_cast<cuuint32_t>(box_rows)};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * elem_bytes)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box,
-                                    element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   QMOE_CHECK_ARG(r == CUDA_SUCCESS, "tensor map", "cuTensorMapEncodeTiled to accept the operand",
                  "error " + std::to_string(static_cast<int>(r)));
   return map;
 }
 
+// The plain kernels' parameters with the three tensor maps of their TMA stages (TILE_N-token boxes of A).
+// Scales: packed-4 rows hold one weight row's 4 bf16 scales in 8 bytes (an int64 element), packed-1 one.
+template <int TILE_N>
+WgmmaTmaParams tma_params(const WgmmaGemmParams& params, int64_t rows) {
+  using wgmma::kGroup;
+  using wgmma::kTileM;
+  WgmmaTmaParams tp;
+  static_cast<WgmmaGemmParams&>(tp) = params;
+  const int64_t experts = params.num_experts;
+  tp.act_map = matrix_map(params.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, params.k, TILE_N, kGroup,
+                          CU_TENSOR_MAP_SWIZZLE_128B);
+  tp.weight_map = matrix_map(params.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * params.n, params.k / 2, kTileM,
+                             kGroup / 2, CU_TENSOR_MAP_SWIZZLE_NONE);
+  tp.scale_map = params.scales_packed4
+                     ? matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_INT64, 8, experts * (params.k / 512),
+                                  params.n, 1, kTileM, CU_TENSOR_MAP_SWIZZLE_NONE)
+                     : matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, experts * (params.k / kGroup),
+                                  params.n, 1, kTileM, CU_TENSOR_MAP_SWIZZLE_NONE);
+  return tp;
+}
+
 template <class OutT, int TILE_N>
-void launch_typed(const wgmma::ParamsOf<OutT>& params, int64_t rows, cudaStream_t stream) {
-  if constexpr (TILE_N == 128 && kWsTma && !kActOut<OutT>) {
-    WgmmaTmaParams tp;
-    static_cast<WgmmaGemmParams&>(tp) = params;
-    tp.act_map = byte_matrix_map(params.a, rows, params.k, TILE_N, wgmma::kGroup, CU_TENSOR_MAP_SWIZZLE_128B);
-    tp.weight_map = byte_matrix_map(params.b, static_cast<int64_t>(params.num_experts) * params.n, params.k / 2,
-                                    wgmma::kTileM, wgmma::kGroup / 2, CU_TENSOR_MAP_SWIZZLE_NONE);
-    launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(
-        wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, false>::kSmemBytes, stream, tp, "w4a8 wgmma prefill");
-  } else if constexpr (TILE_N == 128) {
-    launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(
-        wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, kActOut<OutT>>::kSmemBytes, stream, params, "w4a8 wgmma prefill");
+void launch_plain(const WgmmaGemmParams& params, int64_t rows, cudaStream_t stream) {
+  const WgmmaTmaParams tp = tma_params<TILE_N>(params, rows);
+  if constexpr (TILE_N == 128) {
+    launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, false>::kSmemBytes,
+                                                      stream, tp, "w4a8 wgmma prefill");
   } else {
     launch_persistent<wgmma_prefill::kernel<OutT, TILE_N>>(
-        wgmma_prefill::kThreads, wgmma_prefill::Shape<TILE_N, kActOut<OutT>>::kSmemBytes, stream, params,
-        "w4a8 wgmma prefill");
+        wgmma_prefill::kThreads, wgmma_prefill::Shape<TILE_N, false>::kSmemBytes, stream, tp, "w4a8 wgmma prefill");
+  }
+}
+
+template <int TILE_N>
+void launch_act(const WgmmaActGemmParams& params, cudaStream_t stream) {
+  if constexpr (TILE_N == 128) {
+    launch_persistent<wgmma_ws::kernel<ActE4m3, TILE_N>>(
+        wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, true>::kSmemBytes, stream, params, "w4a8 wgmma prefill");
+  } else {
+    launch_persistent<wgmma_prefill::kernel<ActE4m3, TILE_N>>(
+        wgmma_prefill::kThreads, wgmma_prefill::Shape<TILE_N, true>::kSmemBytes, stream, params, "w4a8 wgmma prefill");
   }
 }
 
@@ -565,19 +654,18 @@ void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int 
                                cudaStream_t stream) {
   QMOE_CHECK_ARG(tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 64 or 128", std::to_string(tile_n));
   if (tile_n == 128) {
-    if (fp32_out) launch_typed<float, 128>(params, rows, stream);
-    else launch_typed<__nv_bfloat16, 128>(params, rows, stream);
+    if (fp32_out) launch_plain<float, 128>(params, rows, stream);
+    else launch_plain<__nv_bfloat16, 128>(params, rows, stream);
   } else {
-    if (fp32_out) launch_typed<float, 64>(params, rows, stream);
-    else launch_typed<__nv_bfloat16, 64>(params, rows, stream);
+    if (fp32_out) launch_plain<float, 64>(params, rows, stream);
+    else launch_plain<__nv_bfloat16, 64>(params, rows, stream);
   }
 }
 
 void launch_w4a8_wgmma_act_requant(const WgmmaActGemmParams& params, int tile_n, cudaStream_t stream) {
   QMOE_CHECK_ARG(tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 64 or 128", std::to_string(tile_n));
-  // (rows: only the TMA loads of the plain kernel use them)
-  if (tile_n == 128) launch_typed<ActE4m3, 128>(params, 0, stream);
-  else launch_typed<ActE4m3, 64>(params, 0, stream);
+  if (tile_n == 128) launch_act<128>(params, stream);
+  else launch_act<64>(params, stream);
 }
 
 }  // namespace qmoe::cuda

@@ -126,7 +126,7 @@ __device__ __forceinline__ StageCopies<TILE_N, LOADERS> stage_copies(const Wgmma
   return c;
 }
 
-// The scales of group g at ss (load_stage's last part; alone in the TMA variant, which copies the rest).
+// The scales of group g at ss (load_stage's last part).
 template <int TILE_N, int LOADERS>
 __device__ __forceinline__ void load_stage_scales(const WgmmaGemmParams& p, const StageCopies<TILE_N, LOADERS>& c, int g,
                                                   uint32_t ss, int loader) {
@@ -162,9 +162,6 @@ __device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const Stage
   }
   load_stage_scales(p, c, g, ss, loader);
 }
-
-template <class OutT>
-using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActGemmParams, WgmmaGemmParams>;
 
 // Visits this thread's accumulators of tile t once: f(token column c, a_scale of its row, accumulator
 // of row r0, accumulator of row r1) for the token columns c = 8 j + 2 tig + h inside the tile's rows,
@@ -222,9 +219,10 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 __device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
-// The transaction bytes the next phase of bar waits for (TMA copies), without an arrival.
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+// Arrives on bar (one of its count) and adds the transaction bytes its current phase waits for (TMA copies
+// issued by this thread after it).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
 // One TMA box of a 2-D tensor map (a __grid_constant__ kernel parameter) into shared memory at dst; its
 // bytes complete a transaction of bar. c0: the inner (contiguous) coordinate, c1: the row.
