@@ -242,7 +242,7 @@ void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cu
     static_cast<WgmmaGemmParams&>(w) = wgmma_params(params);
     w.d = nullptr;  // A2 and s2 only
     w.act_out = ep;
-    launch_w4a8_wgmma_act_requant(w, tactic.tile_n, stream);
+    launch_w4a8_wgmma_act_requant(w, rows, tactic.tile_n, stream);
   } else if (is_tactic(tactic, Family::kDecode, 128, 8, 256)) {
     // The 4-stage shape only: the pipeline keeps the separate kernels where the plain n8 tile would run
     // its 3-CTA shape (act_requant_pays); a forced call there still gets the right bits.

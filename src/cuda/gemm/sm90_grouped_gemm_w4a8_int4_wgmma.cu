@@ -40,46 +40,69 @@
 #include "qmoe/error.h"
 
 namespace qmoe::cuda {
-// TMA stages (both kernels' plain variants, kTma): one thread issues three box copies per stage
-// (activations, weights, scales) instead of every loading thread ~14 cp.async; one mbarrier transaction
-// per stage tells the computing threads it landed. The tensor maps are encoded on the host per call
-// (tma_params). Rows past an expert's end come from the next rows of A (not zeros): their token columns
-// are never stored; weight rows past N likewise (the epilogue checks the row); past the tensors' ends the
-// boxes are zero-filled. The fused epilogue (kAct) gathers remapped weight rows and keeps cp.async.
-struct WgmmaTmaParams : WgmmaGemmParams {
+// TMA stages (both kernels, every variant): one thread issues a stage's boxes (activations, two weight
+// half tiles, two scale half rows) instead of every loading thread ~14 cp.async; one mbarrier
+// transaction per stage tells the computing threads it landed. The tensor maps are encoded on the host
+// per call (tma_params). Weights and scales come in 64-row halves because the fused activation
+// epilogue's tiles (kAct) take their gate rows and their up rows from two places (act_tile_rows); the
+// plain tiles' halves are adjacent. Rows past an expert's end come from the next rows of A (not zeros):
+// their token columns are never stored; weight rows past N likewise (the epilogue checks the row);
+// past the tensors' ends the boxes are zero-filled.
+template <class Base>
+struct WithTmaMaps : Base {
   CUtensorMap act_map;     // A as [R rows, K bytes]: boxes of TILE_N tokens x 128 bytes, 128-byte swizzle
-  CUtensorMap weight_map;  // B as [E * N rows, K / 2 bytes]: boxes of 128 rows x 64 bytes
-  CUtensorMap scale_map;   // scales as [E * K/512 rows, N x 8 bytes] (packed-4) or [E * K/128, N x 2]: 128 per box
+  CUtensorMap weight_map;  // B as [E * N rows, K / 2 bytes]: boxes of 64 rows x 64 bytes
+  CUtensorMap scale_map;   // scales [E * K/512 rows, N x int64 (4 bf16)] or [E * K/128, N x bf16]: 64 per box
 };
+using WgmmaTmaParams = WithTmaMaps<WgmmaGemmParams>;
+using WgmmaActTmaParams = WithTmaMaps<WgmmaActGemmParams>;
 
 namespace wgmma {
 
+constexpr int kHalf = kTileM / 2;  // weight rows per box
+
+template <class OutT>
+using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActTmaParams, WgmmaTmaParams>;
+
 // Where a tile's boxes start in the three maps; a stage adds its group.
 struct TmaTile {
-  int act_row, weight_row, scale_row, n0;
+  int act_row;
+  int weight_row[2];  // the two halves' first rows in B (as E * N rows)
+  int scale_col[2];   // ... their first scale columns (weight rows of the expert)
+  int scale_row;      // the expert's first scale row
 };
-__device__ __forceinline__ TmaTile tma_tile(const WgmmaGemmParams& p, const GroupedTile& t) {
+template <class OutT>
+__device__ __forceinline__ TmaTile tma_tile(const ParamsOf<OutT>& p, const GroupedTile& t) {
+  int lo = t.n0, hi = t.n0 + kHalf;
+  if constexpr (std::is_same<OutT, ActE4m3>::value) {
+    const ActTileRows rows = act_tile_rows<kTileM>(p.act_out, t.n0);
+    lo = rows.lo;
+    hi = rows.lo + kHalf + rows.jump;
+  }
+  const int expert_row = t.expert * p.n;
   const int scale_rows_per_expert = p.scales_packed4 ? p.k / 512 : p.k / kGroup;
-  return {t.row0, t.expert * p.n + t.n0, t.expert * scale_rows_per_expert, t.n0};
+  return {t.row0, {expert_row + lo, expert_row + hi}, {lo, hi}, t.expert * scale_rows_per_expert};
 }
 // The bytes of one stage: the boxes are full even where they are zero-filled.
 template <int TILE_N>
 __device__ __forceinline__ uint32_t tma_stage_bytes(const WgmmaGemmParams& p) {
   return TILE_N * kGroup + kStageW + (p.scales_packed4 ? kTileM * 8 : kTileM * 2);
 }
-// Stage (tile t, group g) into shared memory at sa (activations, weights, scales as load_stage lays them
-// out); the bytes complete a transaction of bar, which the caller announced (mbar_arrive_expect_tx).
-template <int TILE_N>
-__device__ __forceinline__ void tma_load_stage(const WgmmaTmaParams& p, const TmaTile& t, int g, uint32_t sa,
-                                               uint64_t* bar) {
+// Stage (tile t, group g) into shared memory at sa: TILE_N activation rows (128-byte swizzle), the
+// tile's 128 weight rows (64 bytes each), their scales of group g (8 or 2 bytes a row). The bytes
+// complete a transaction of bar, which the caller announced (mbar_arrive_expect_tx).
+template <int TILE_N, class P>
+__device__ __forceinline__ void tma_load_stage(const P& p, const TmaTile& t, int g, uint32_t sa, uint64_t* bar) {
+  const uint32_t sw = sa + TILE_N * kGroup, ss = sw + kStageW;
+  const int scale_bytes = p.scales_packed4 ? 8 : 2;
+  const int scale_row = t.scale_row + (p.scales_packed4 ? g / 4 : g);
   tma_load_2d(sa, &p.act_map, g * kGroup, t.act_row, bar);
-  tma_load_2d(sa + TILE_N * kGroup, &p.weight_map, g * (kGroup / 2), t.weight_row, bar);
-  tma_load_2d(sa + TILE_N * kGroup + kStageW, &p.scale_map, t.n0, t.scale_row + (p.scales_packed4 ? g / 4 : g), bar);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    tma_load_2d(sw + h * kHalf * (kGroup / 2), &p.weight_map, g * (kGroup / 2), t.weight_row[h], bar);
+    tma_load_2d(ss + h * kHalf * scale_bytes, &p.scale_map, t.scale_col[h], scale_row, bar);
+  }
 }
-
-// The fused epilogue's kernels take its block; the plain kernels the TMA block.
-template <class OutT>
-using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActGemmParams, WgmmaTmaParams>;
 
 }  // namespace wgmma
 
@@ -104,7 +127,7 @@ struct Shape {
   static constexpr int kStageA = TILE_N * kGroup;         // activations, TILE_N rows x 128 bytes
   static constexpr int kStageBytes = kStageA + kStageW + kStageS;
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
-  static constexpr int kBarrierBytes = kAct ? 0 : kStages * 8;  // the TMA variant's "full" mbarriers
+  static constexpr int kBarrierBytes = kStages * 8;  // the "full" mbarriers
   // park: 16-byte aligned (float2 reads), after the work list; the plain kernels have none.
   static constexpr int kParkOffset = (kStages * kStageBytes + kBarrierBytes + kTileStartBytes + 15) / 16 * 16;
   static constexpr int kParkBytes = kAct ? 16 + TILE_N * kParkStride * 4 : 0;
@@ -169,29 +192,25 @@ __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int r
 }
 
 // OutT ActE4m3: the fused activation epilogue (A2 and s2 instead of d; act_requant_items.cuh).
-// The plain variants (bf16 / fp32 out) load by TMA (kTma: thread 0 issues a stage's boxes, per-stage
-// mbarriers); the fused epilogue's variant loads with cp.async from every thread.
+// Thread 0 issues each stage's TMA boxes; per-stage mbarriers say when they landed.
 template <class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const __grid_constant__ ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
-  constexpr bool kTma = !kAct;
   using S = Shape<TILE_N, kAct>;
   constexpr int kTileN = TILE_N;
   constexpr int kStages = S::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_1024(smem_raw);  // the swizzled activation tiles need 1024-byte alignment
   uint8_t* stages = smem;
-  [[maybe_unused]] uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * S::kStageBytes);  // (kTma only)
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * S::kStageBytes);
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem + kStages * S::kStageBytes + S::kBarrierBytes);
   int32_t* warp_total = tile_start + kMaxExperts + 1;
   [[maybe_unused]] float* park = reinterpret_cast<float*>(smem + S::kParkOffset);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if constexpr (kTma) {
-    if (tid == 0)
-      for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1);  // thread 0's arrival + the boxes' bytes
-  }
+  if (tid == 0)
+    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1);  // thread 0's arrival + the boxes' bytes
   const int E = p.num_experts;
   const int n_tiles = (p.n + kTileM - 1) / kTileM;
   const int groups = p.k / kGroup;
@@ -202,34 +221,19 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const _
   if (tiles.empty()) return;
   const int total_iters = tiles.count * groups;
 
-  // ---- Producer. kTma: thread 0 issues each stage's boxes; else every thread copies its share of each
-  // stage (load_stage). Calls come in order (it = 0, 1, ...): the group and tile are counted, not
-  // divided out, and the next tile is located one tile ahead (grouped_tile_list.cuh: LocatedTile).
-  [[maybe_unused]] StageCopies<kTileN, kThreads> copies{};
-  [[maybe_unused]] TmaTile boxes{};
+  // ---- Producer (thread 0 only): stage `it`'s boxes. Calls come in order (it = 0, 1, ...): the group
+  // and tile are counted, not divided out, and the next tile is located one tile ahead
+  // (grouped_tile_list.cuh: LocatedTile).
+  TmaTile boxes{};
   TileStep load_at;
   LocatedTile load_ahead = tiles.locate(0);
   auto issue_loads = [&](int it) {
     const int g = load_at.k;
-    if (g == 0) {
-      const GroupedTile t = tiles.take(load_ahead, load_at.tile);
-      if constexpr (kAct) {
-        copies = stage_copies<kTileN, kThreads, true>(p, t, tid, act_tile_rows<kTileM>(p.act_out, t.n0));
-      } else if constexpr (kTma) {
-        boxes = tma_tile(p, t);
-      } else {
-        copies = stage_copies<kTileN, kThreads>(p, t, tid);
-      }
-    }
+    if (g == 0) boxes = tma_tile<OutT>(p, tiles.take(load_ahead, load_at.tile));
     load_at.advance(groups);
-    const uint32_t sa = smem_u32(stages + (it % kStages) * S::kStageBytes);
-    if constexpr (kTma) {
-      uint64_t* bar = &full[it % kStages];
-      mbar_arrive_expect_tx(bar, tma_stage_bytes<kTileN>(p));
-      tma_load_stage<kTileN>(p, boxes, g, sa, bar);
-    } else {
-      load_stage<kTileN, kThreads, kAct>(p, copies, g, sa, tid);
-    }
+    uint64_t* bar = &full[it % kStages];
+    mbar_arrive_expect_tx(bar, tma_stage_bytes<kTileN>(p));
+    tma_load_stage<kTileN>(p, boxes, g, smem_u32(stages + (it % kStages) * S::kStageBytes), bar);
   };
 
   // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {gid, gid + 8}.
@@ -244,42 +248,20 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const _
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
     stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, tig, shift, a);
   };
-  // cp.async: stages up to `upto` have landed for this thread; after the barrier, for every thread (and
-  // for the tensor cores, which read shared memory through the async proxy: the fence), and every
-  // thread is past its previous step, so the stage that step used may be refilled.
-  auto publish = [&]() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-  };
-  // kTma: stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
-  [[maybe_unused]] auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
+  // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
+  auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
 
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if constexpr (kTma) {
-      if (tid == 0 && s < total_iters) issue_loads(s);
-    } else {
-      if (s < total_iters) issue_loads(s);
-      cp_async_commit();
-    }
-  }
+  if (tid == 0)
+    for (int s = 0; s < kStages - 1 && s < total_iters; ++s) issue_loads(s);
   TileStep step_at;  // the group and tile the next step computes
   // One K group. kOverlapConvert: stage it + 1 is awaited with stage it, and its weights become
   // `a_next` while stage it's wgmmas (on `a`, converted one step earlier) run.
   auto step = [&](int it, uint32_t(&a)[4][4], uint32_t(&a_next)[4][4]) {
-    if constexpr (kTma) {
-      // Every thread is past step it - 1: the stage it used may be refilled.
-      __syncthreads();
-      if (tid == 0 && it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
-      if (kOverlapConvert && it + 1 < total_iters) wait_full(it + 1);
-      if (!kOverlapConvert) wait_full(it);
-    } else {
-      if constexpr (kOverlapConvert) cp_async_wait<kStages - 3>();  // stages <= it + 1
-      else cp_async_wait<kStages - 2>();                            // stages <= it
-      publish();  // (also retires stage it - 1, which the copy issued just below overwrites)
-      if (it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
-      cp_async_commit();
-    }
+    // Every thread is past step it - 1: the stage it used may be refilled.
+    __syncthreads();
+    if (tid == 0 && it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
+    if (kOverlapConvert && it + 1 < total_iters) wait_full(it + 1);
+    if (!kOverlapConvert) wait_full(it);
 
     const uint8_t* st = stages + (it % kStages) * S::kStageBytes;
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
@@ -322,12 +304,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N == 64 ? 2 : 1) kernel(const _
   // Two A buffers, swapped by unrolling two steps (a runtime index would put them in local memory).
   uint32_t a_even[4][4], a_odd[4][4];
   if constexpr (kOverlapConvert) {
-    if constexpr (kTma) {
-      wait_full(0);
-    } else {
-      cp_async_wait<kStages - 2>();  // stage 0
-      publish();
-    }
+    wait_full(0);
     convert(0, a_even);
   }
   for (int it = 0; it < total_iters; it += 2) {
@@ -381,7 +358,6 @@ template <class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
-  constexpr bool kTma = !kAct;  // (TMA stages: see WgmmaTmaParams)
   using S = Shape<TILE_N, kAct>;
   constexpr int kStages = S::kStages;
   extern __shared__ uint8_t smem_raw[];
@@ -398,8 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], kTma ? 1 : 128);    // kTma: thread 0's arrival + the boxes' bytes; else every
-                                              // loading thread, after its copies landed
+      mbar_init(&full[s], 1);                  // thread 0's arrival + the boxes' bytes
       mbar_init(&empty[s], 128 * kConsumers);  // every computing thread, after its wgmmas read the stage
     }
     if constexpr (kAct) {
@@ -423,9 +398,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   if (wg == 0) {
     // ---- Loading warpgroup: stage it % kStages once the computing warpgroups released it.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    if (kTma && tid != 0) return;  // one thread issues the boxes
-    [[maybe_unused]] wgmma::StageCopies<TILE_N, 128> copies{};
-    [[maybe_unused]] wgmma::TmaTile boxes{};
+    // Thread 0 issues the boxes; the other 127 threads stay only for the fused epilogue's items.
+    if (!kAct && tid != 0) return;
     // Fused epilogue: this warpgroup also turns each parked h into A2 and s2, so that the computing
     // warpgroups go on with the next tile meanwhile. Tile u's h is taken once kStages - 1 stages past
     // its end are loaded (the computing warpgroups then have that much work queued); the last tiles'
@@ -444,36 +418,23 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     // The group and tile are counted (no division per stage); the next tile is located one tile ahead.
     TileStep at;
     LocatedTile ahead = tiles.locate(0);
+    TmaTile boxes{};
     for (int it = 0; it < total_iters; ++it) {
       const int g = at.k, s = it % kStages;
       if constexpr (kAct) {
         while (pending < tiles.count && it >= (pending + 1) * groups + kStages - 1) take_parked();
       }
-      if (g == 0) {
-        const GroupedTile t = tiles.take(ahead, at.tile);
-        if constexpr (kAct) {
-          copies = wgmma::stage_copies<TILE_N, 128, true>(p, t, tid, act_tile_rows<kTileM>(p.act_out, t.n0));
-        } else if constexpr (kTma) {
-          boxes = wgmma::tma_tile(p, t);
-        } else {
-          copies = wgmma::stage_copies<TILE_N, 128>(p, t, tid);
-        }
-      }
-      mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-      const uint32_t sa = wgmma::smem_u32(stages + s * S::kStageBytes);
-      if constexpr (kTma) {
-        mbar_arrive_expect_tx(&full[s], wgmma::tma_stage_bytes<TILE_N>(p));
-        wgmma::tma_load_stage<TILE_N>(p, boxes, g, sa, &full[s]);
-      } else {
-        wgmma::load_stage<TILE_N, 128, kAct>(p, copies, g, sa, tid);
-        mbar_arrive_cp_async(&full[s]);
+      if (tid == 0) {
+        if (g == 0) boxes = tma_tile<OutT>(p, tiles.take(ahead, at.tile));
+        mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+        mbar_arrive_expect_tx(&full[s], tma_stage_bytes<TILE_N>(p));
+        tma_load_stage<TILE_N>(p, boxes, g, smem_u32(stages + s * S::kStageBytes), &full[s]);
       }
       at.advance(groups);
     }
     if constexpr (kAct) {
       while (pending < tiles.count) take_parked();
     }
-    wgmma::cp_async_wait<0>();  // no copy outlives its thread
     return;
   }
 
@@ -486,12 +447,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
 
-  // Stage `it` has landed: the cp.async writes reached this thread through the mbarrier; the tensor
-  // cores read the activations through the async proxy, so make them visible to it too.
-  auto wait_full = [&](int it) {
-    mbar_wait(&full[it % kStages], (it / kStages) & 1);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  };
+  // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
+  auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t (&out)[4][4]) {
     wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, tig, shift, out);
@@ -566,10 +523,6 @@ namespace {
 template <class OutT>
 constexpr bool kActOut = std::is_same<OutT, ActE4m3>::value;
 
-// 128-token tiles: the warp-specialized kernel (1.1-1.25x faster on the H200 at DeepSeek-V3,
-// Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_s3_h200_wgmma_ws.md); 64-token tiles
-// keep the two-CTAs-per-SM kernel, which measured 1-5% faster there (~120 registers and 75 KB: two
-// CTAs fit on an SM, and both are used).
 // cuTensorMapEncodeTiled from the driver, looked up once (the library links only the CUDA runtime).
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -604,47 +557,41 @@ CUtensorMap matrix_map(const void* base, CUtensorMapDataType type, int elem_byte
   return map;
 }
 
-// The plain kernels' parameters with the three tensor maps of their TMA stages (TILE_N-token boxes of A).
-// Scales: packed-4 rows hold one weight row's 4 bf16 scales in 8 bytes (an int64 element), packed-1 one.
-template <int TILE_N>
-WgmmaTmaParams tma_params(const WgmmaGemmParams& params, int64_t rows) {
+// The kernels' parameters with the three tensor maps of their TMA stages (TILE_N-token boxes of A, 64-row
+// halves of B and of the scales). Packed-4 scales: one weight row's 4 bf16 in 8 bytes (an int64 element).
+template <int TILE_N, class Base>
+WithTmaMaps<Base> tma_params(const Base& params, int64_t rows) {
   using wgmma::kGroup;
-  using wgmma::kTileM;
-  WgmmaTmaParams tp;
-  static_cast<WgmmaGemmParams&>(tp) = params;
+  using wgmma::kHalf;
+  WithTmaMaps<Base> tp;
+  static_cast<Base&>(tp) = params;
   const int64_t experts = params.num_experts;
   tp.act_map = matrix_map(params.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, params.k, TILE_N, kGroup,
                           CU_TENSOR_MAP_SWIZZLE_128B);
-  tp.weight_map = matrix_map(params.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * params.n, params.k / 2, kTileM,
+  tp.weight_map = matrix_map(params.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * params.n, params.k / 2, kHalf,
                              kGroup / 2, CU_TENSOR_MAP_SWIZZLE_NONE);
   tp.scale_map = params.scales_packed4
                      ? matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_INT64, 8, experts * (params.k / 512),
-                                  params.n, 1, kTileM, CU_TENSOR_MAP_SWIZZLE_NONE)
+                                  params.n, 1, kHalf, CU_TENSOR_MAP_SWIZZLE_NONE)
                      : matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, experts * (params.k / kGroup),
-                                  params.n, 1, kTileM, CU_TENSOR_MAP_SWIZZLE_NONE);
+                                  params.n, 1, kHalf, CU_TENSOR_MAP_SWIZZLE_NONE);
   return tp;
 }
 
-template <class OutT, int TILE_N>
-void launch_plain(const WgmmaGemmParams& params, int64_t rows, cudaStream_t stream) {
-  const WgmmaTmaParams tp = tma_params<TILE_N>(params, rows);
+// 128-token tiles: the warp-specialized kernel (1.1-1.25x faster on the H200 at DeepSeek-V3,
+// Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_s3_h200_wgmma_ws.md); 64-token tiles
+// keep the two-CTAs-per-SM kernel, which measured 1-5% faster there (~120 registers and 75 KB: two
+// CTAs fit on an SM, and both are used).
+template <class OutT, int TILE_N, class Base>
+void launch_typed(const Base& params, int64_t rows, cudaStream_t stream) {
+  const auto tp = tma_params<TILE_N>(params, rows);
+  constexpr bool kAct = kActOut<OutT>;
   if constexpr (TILE_N == 128) {
-    launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, false>::kSmemBytes,
+    launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, kAct>::kSmemBytes,
                                                       stream, tp, "w4a8 wgmma prefill");
   } else {
     launch_persistent<wgmma_prefill::kernel<OutT, TILE_N>>(
-        wgmma_prefill::kThreads, wgmma_prefill::Shape<TILE_N, false>::kSmemBytes, stream, tp, "w4a8 wgmma prefill");
-  }
-}
-
-template <int TILE_N>
-void launch_act(const WgmmaActGemmParams& params, cudaStream_t stream) {
-  if constexpr (TILE_N == 128) {
-    launch_persistent<wgmma_ws::kernel<ActE4m3, TILE_N>>(
-        wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, true>::kSmemBytes, stream, params, "w4a8 wgmma prefill");
-  } else {
-    launch_persistent<wgmma_prefill::kernel<ActE4m3, TILE_N>>(
-        wgmma_prefill::kThreads, wgmma_prefill::Shape<TILE_N, true>::kSmemBytes, stream, params, "w4a8 wgmma prefill");
+        wgmma_prefill::kThreads, wgmma_prefill::Shape<TILE_N, kAct>::kSmemBytes, stream, tp, "w4a8 wgmma prefill");
   }
 }
 
@@ -654,18 +601,18 @@ void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int 
                                cudaStream_t stream) {
   QMOE_CHECK_ARG(tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 64 or 128", std::to_string(tile_n));
   if (tile_n == 128) {
-    if (fp32_out) launch_plain<float, 128>(params, rows, stream);
-    else launch_plain<__nv_bfloat16, 128>(params, rows, stream);
+    if (fp32_out) launch_typed<float, 128>(params, rows, stream);
+    else launch_typed<__nv_bfloat16, 128>(params, rows, stream);
   } else {
-    if (fp32_out) launch_plain<float, 64>(params, rows, stream);
-    else launch_plain<__nv_bfloat16, 64>(params, rows, stream);
+    if (fp32_out) launch_typed<float, 64>(params, rows, stream);
+    else launch_typed<__nv_bfloat16, 64>(params, rows, stream);
   }
 }
 
-void launch_w4a8_wgmma_act_requant(const WgmmaActGemmParams& params, int tile_n, cudaStream_t stream) {
+void launch_w4a8_wgmma_act_requant(const WgmmaActGemmParams& params, int64_t rows, int tile_n, cudaStream_t stream) {
   QMOE_CHECK_ARG(tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 64 or 128", std::to_string(tile_n));
-  if (tile_n == 128) launch_act<128>(params, stream);
-  else launch_act<64>(params, stream);
+  if (tile_n == 128) launch_typed<ActE4m3, 128>(params, rows, stream);
+  else launch_typed<ActE4m3, 64>(params, rows, stream);
 }
 
 }  // namespace qmoe::cuda

@@ -35,6 +35,6 @@ void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int 
 struct WgmmaActGemmParams : WgmmaGemmParams {
   ActRequantEpilogue act_out;
 };
-void launch_w4a8_wgmma_act_requant(const WgmmaActGemmParams& params, int tile_n, cudaStream_t stream);
+void launch_w4a8_wgmma_act_requant(const WgmmaActGemmParams& params, int64_t rows, int tile_n, cudaStream_t stream);
 
 }  // namespace qmoe::cuda

@@ -1,7 +1,7 @@
 // Building blocks of the W4A8 WGMMA kernels (sm90_grouped_gemm_w4a8_int4_wgmma.cu). A pipeline stage is one K group
 // (128) of one tile: TILE_N activation rows (e4m3, 128-byte swizzle), 128 weight rows (int4, 64 bytes
-// each), their bf16 scales; load_stage fills it with cp.async. Also: shared-memory addressing, the
-// wgmma descriptor and fences, the mbarriers of the warp-specialized kernels, and the two epilogue
+// each), their bf16 scales, filled by TMA boxes (the kernel file's tma_load_stage). Here: shared-memory
+// addressing, the wgmma descriptor and fences, mbarriers and the TMA box copy, and the two epilogue
 // stores (plain, and the fused activation epilogue's park).
 #pragma once
 
@@ -37,13 +37,6 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ uint8_t* align_1024(uint8_t* smem_raw) {
   return smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
 }
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 // wgmma descriptor of a K-major operand tile with 128-byte swizzle: rows of 128 bytes, 8-row
 // atoms 1024 bytes apart (stride byte offset); the leading byte offset is unused with swizzling.
 __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_addr) {
@@ -62,105 +55,6 @@ template <int N>
 __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// One pipeline stage (K group g of a tile) into shared memory at sa: TILE_N activation rows (128-byte
-// swizzle), the tile's 128 weight rows, their scales of group g; LOADERS threads (loader = 0..LOADERS-1)
-// share the 16-byte copies. Rows past the expert's end or past N are zero-filled, nothing read.
-// kAct (the fused activation epilogue): tile row r is weight row w.lo + r (+ w.jump in the second
-// half: act_requant_items.cuh); else weight row n0 + r.
-// The global addresses of a thread's copies are set up once per tile (stage_copies); a stage then costs
-// an add and a copy per 16 bytes (load_stage), not the ~20 instructions of a full 64-bit address.
-template <int TILE_N, int LOADERS>
-struct StageCopies {
-  static_assert(LOADERS >= kTileM / 2 && LOADERS % 8 == 0, "a scale copy per row pair, whole activation rows");
-  static constexpr int kRowsA = LOADERS / 8, kRowsW = LOADERS / 4;  // rows per pass: 8 and 4 chunks per row
-  static constexpr int kPassesA = TILE_N / kRowsA, kPassesW = kTileM / kRowsW;
-  static_assert(TILE_N % kRowsA == 0 && kTileM % kRowsW == 0, "whole passes cover the tile");
-  static_assert(kPassesA <= 32 && kPassesW <= 32, "validity masks are 32-bit");
-  const uint8_t* a;         // activation row row0 + a_row, chunk a_chunk, group 0
-  const uint8_t* w;         // weight row of tile row w_row, chunk w_chunk, group 0
-  const __nv_bfloat16* s;   // this thread's scale copy at group 0
-  int64_t w_jump;           // kAct: bytes added to the passes in the tile's second half (up rows)
-  uint32_t a_valid, w_valid;  // bit i: pass i copies a real row
-  bool s_valid;
-};
-
-template <int TILE_N, int LOADERS, bool kAct = false>
-__device__ __forceinline__ StageCopies<TILE_N, LOADERS> stage_copies(const WgmmaGemmParams& p, const GroupedTile& t,
-                                                                     int loader, ActTileRows rows = {0, 0}) {
-  using C = StageCopies<TILE_N, LOADERS>;
-  // Offset of tile row r's weight row from expert row 0 (the plain kernels keep their exact address
-  // arithmetic: if constexpr).
-  auto weight_row = [&](int r) {
-    if constexpr (kAct) {
-      return rows.lo + r + (r >= kTileM / 2 ? rows.jump : 0);
-    } else {
-      return t.n0 + r;
-    }
-  };
-  const int a_row = loader / 8, a_chunk = loader % 8;
-  const int w_row = loader / 4, w_chunk = loader % 4;
-  const int64_t w_row_bytes = p.k / 2;
-  C c;
-  c.a = p.a + static_cast<int64_t>(t.row0 + a_row) * p.k + a_chunk * 16;
-  c.w = p.b + (static_cast<int64_t>(t.expert) * p.n + weight_row(w_row)) * w_row_bytes + w_chunk * 16;
-  c.w_jump = kAct ? static_cast<int64_t>(rows.jump) * w_row_bytes : 0;
-  c.a_valid = c.w_valid = 0;
-#pragma unroll
-  for (int i = 0; i < C::kPassesA; ++i) c.a_valid |= (a_row + C::kRowsA * i < t.rows ? 1u : 0u) << i;
-#pragma unroll
-  for (int i = 0; i < C::kPassesW; ++i) c.w_valid |= (t.n0 + w_row + C::kRowsW * i < p.n ? 1u : 0u) << i;
-  c.s = p.b_scales;
-  c.s_valid = false;
-  if (p.scales_packed4) {
-    // Row pair (2 loader, 2 loader + 1): their 8-byte blocks of the 512-wide K block holding group g.
-    if (loader < kTileM / 2) {
-      c.s_valid = t.n0 + 2 * loader < p.n;
-      if (c.s_valid) c.s = p.b_scales + static_cast<int64_t>(t.expert) * (p.k / 512) * 4 * p.n + 4 * weight_row(2 * loader);
-    }
-  } else if (loader < kTileM / 8) {
-    c.s_valid = t.n0 + 8 * loader < p.n;
-    if (c.s_valid) c.s = p.b_scales + static_cast<int64_t>(t.expert) * (p.k / kGroup) * p.n + weight_row(8 * loader);
-  }
-  return c;
-}
-
-// The scales of group g at ss (load_stage's last part).
-template <int TILE_N, int LOADERS>
-__device__ __forceinline__ void load_stage_scales(const WgmmaGemmParams& p, const StageCopies<TILE_N, LOADERS>& c, int g,
-                                                  uint32_t ss, int loader) {
-  if (p.scales_packed4) {
-    if (loader < kTileM / 2)
-      cp_async_16(ss + loader * 16, c.s_valid ? c.s + static_cast<int64_t>(g / 4) * 4 * p.n : p.b_scales, c.s_valid);
-  } else if (loader < kTileM / 8) {
-    cp_async_16(ss + loader * 16, c.s_valid ? c.s + static_cast<int64_t>(g) * p.n : p.b_scales, c.s_valid);
-  }
-}
-
-template <int TILE_N, int LOADERS, bool kAct = false>
-__device__ __forceinline__ void load_stage(const WgmmaGemmParams& p, const StageCopies<TILE_N, LOADERS>& c, int g,
-                                           uint32_t sa, int loader) {
-  using C = StageCopies<TILE_N, LOADERS>;
-  const uint32_t sw = sa + TILE_N * kGroup, ss = sw + kStageW;  // (every kernel's stage: activations, weights, scales)
-  const int a_row = loader / 8, a_chunk = loader % 8;
-  const int w_row = loader / 4, w_chunk = loader % 4;
-  const int64_t a_pass = static_cast<int64_t>(C::kRowsA) * p.k, w_pass = static_cast<int64_t>(C::kRowsW) * (p.k / 2);
-#pragma unroll
-  for (int i = 0; i < C::kPassesA; ++i) {
-    const int r = a_row + C::kRowsA * i;
-    const bool valid = (c.a_valid >> i) & 1u;
-    cp_async_16(sa + r * kGroup + ((a_chunk ^ (r & 7)) << 4), valid ? c.a + i * a_pass + g * kGroup : p.a, valid);
-  }
-#pragma unroll
-  for (int i = 0; i < C::kPassesW; ++i) {
-    const int r = w_row + C::kRowsW * i;
-    const bool valid = (c.w_valid >> i) & 1u;
-    // (a pass lies in one half of the tile: kRowsW divides TILE_M / 2)
-    const int64_t jump = kAct && r >= kTileM / 2 ? c.w_jump : 0;
-    cp_async_16(sw + r * (kGroup / 2) + w_chunk * 16, valid ? c.w + i * w_pass + jump + g * (kGroup / 2) : p.b, valid);
-  }
-  load_stage_scales(p, c, g, ss, loader);
 }
 
 // Visits this thread's accumulators of tile t once: f(token column c, a_scale of its row, accumulator
@@ -214,10 +108,6 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-// Arrives once this thread's earlier cp.asyncs have landed (the count was set at init: noinc).
-__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 // Arrives on bar (one of its count) and adds the transaction bytes its current phase waits for (TMA copies
 // issued by this thread after it).
