@@ -42,7 +42,8 @@ const std::vector<Tactic>& compiled() {
   static const std::vector<Tactic> list = {
       make(Family::kDecode, 128, 8, 256), make(Family::kDecode, 128, 16, 256), make(Family::kDecode, 64, 32, 512),
       // 128 weight rows x 32 tokens: one token tile for experts of 17-32 rows, where n16 needs two
-      // (each reading and converting the weights again).
+      // (each reading and converting the weights again). Not chosen since the 64-token WGMMA tile loads
+      // by TMA (s14); kept for forcing and tuning.
       make(Family::kDecode, 128, 32, 256),
       // 128 weight rows x 24 tokens: one token tile up to 24 rows at a lower cost per tile than n32.
       make(Family::kDecode, 128, 24, 256),
@@ -52,7 +53,8 @@ const std::vector<Tactic>& compiled() {
       make(Family::kPrefill, 128, 64, 256),
       // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
       make(Family::kPrefill, 128, 128, 128),
-      // WGMMA with 64-token tiles (two CTAs per SM): chosen for 25-48 rows per expert.
+      // WGMMA with 64-token tiles (two CTAs per SM): chosen for 21-48 rows per expert (19-48 where all
+      // experts' 128-row tiles fit in one wave).
       make(Family::kPrefill, 128, 64, 128),
   };
   return list;
@@ -109,8 +111,13 @@ constexpr int64_t kDecodeN16MaxRows = 14;
 //   24 rows: n32 1.10-1.25x faster than n16 and the WGMMA n64 tile; 32 rows: the WGMMA tile wins.
 // 21-23 rows (s12, bench/results/2026-11-30_s12b_nvidia_h200_n24_n32_sweep.md, 7 shapes not in one wave):
 //   21 rows: n24 1.07-1.12x faster than n32; 22 rows: 1.02-1.05x; 23 rows: within 1%.
-constexpr int64_t kDecodeN24MaxRows = 22;
-constexpr int64_t kDecodeN32MaxRows = 24;
+// Since the 64-token WGMMA tile loads by TMA (s14, 15-18% faster; bench/results/2026-12-01_s14c_* and
+// s14d_*, 19-28 rows on all 8 shapes): at 22 and 24 rows it beats n24 and n32 on every shape but one tie
+// (DeepSeek-V3 GEMM1 22 rows: 2112 vs 2107 us; 24 rows: 1.05-1.30x over n32); at 20 rows n24 still wins
+// on DeepSeek-V3 (1927 vs 2098, 1091 vs 1115), Qwen3-235B GEMM1 and Mixtral GEMM1, the 64-token tile on
+// Qwen3-30B GEMM2 (76 vs 85) and Mixtral GEMM2 (one wave). So n24 up to 20 rows, then the 64-token tile;
+// n32 is no longer chosen (kept for forcing and tuning).
+constexpr int64_t kDecodeN24MaxRows = 20;
 // Where the 128-row tiles of all experts fit in one wave (few experts, small N: Mixtral's GEMM2, 8 x 32
 // tiles <= 2 CTAs x 132 SMs) the slowest expert sets the time, and a second token tile is a second wave:
 // n24 from 12 rows (Mixtral GEMM2 12-18 rows: n24 108-123 us, n16 132-175, n32 141) up to 18 (at 20
@@ -192,8 +199,6 @@ Tactic select_tactic(const GemmProblem& problem) {
     t = make(Family::kDecode, 128, 16, 256);
   } else if (rows_per_expert <= kDecodeN24MaxRows && !one_wave) {
     t = make(Family::kDecode, 128, 24, 256);
-  } else if (rows_per_expert <= kDecodeN32MaxRows) {
-    t = make(Family::kDecode, 128, 32, 256);
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {
     t = make(Family::kPrefill, 128, 64, 128);  // WGMMA, 64-token tiles, two CTAs per SM
   } else {
