@@ -3,6 +3,7 @@
 # build, GPU pytest suite, every GEMM tactic on ragged cases, quantizer and tuner tests, then the GEMM
 # and MoE-layer benchmarks, a per-kernel profile of the layer. Logs and result files go to $OUT (the device tool's output folder) or
 # ./device_out. Usage on the device: bash scripts/device_all.sh   (carry .dev/cutlass)
+# QMOE_PROFILE="model:T ...": the layers bench/profile_layer.py breaks down (default: its own list).
 # Switch: QMOE_SANITIZER=memcheck|racecheck|synccheck|initcheck runs the pytest step under
 # compute-sanitizer (slow: restrict with QMOE_PYTEST_ARGS="-k ...").
 set -uo pipefail
@@ -31,6 +32,6 @@ step "bench gemm"; python3 -m qmoe.cli bench gemm --models deepseek_v3,qwen3_235
   --tokens 1,8,64,256,1024,4096,16384 --iters 10 --out-dir "$RES" > "$OUT/bench.log" 2>&1; echo "bench gemm rc=$?"
 step "bench moe"; python3 -m qmoe.cli bench moe --quant-mode ${QMOE_BENCH_MODES:-all} --budget-ms 80 --out-dir "$RES" >> "$OUT/bench.log" 2>&1
 echo "bench moe rc=$?"
-step "profile layer"; python3 bench/profile_layer.py >> "$OUT/bench.log" 2>&1; echo "profile rc=$?"
+step "profile layer"; python3 bench/profile_layer.py ${QMOE_PROFILE:-} >> "$OUT/bench.log" 2>&1; echo "profile rc=$?"
 tar -C "$RES" -cf "$OUT/results.tar" . && echo "results: $(ls "$RES" | tr '\n' ' ')"
 step done
