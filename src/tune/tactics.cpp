@@ -56,6 +56,8 @@ const std::vector<Tactic>& compiled() {
       // WGMMA with 64-token tiles (two CTAs per SM): chosen for 21-48 rows per expert (19-48 where all
       // experts' 128-row tiles fit in one wave).
       make(Family::kPrefill, 128, 64, 128),
+      // WGMMA with 32- and 16-token tiles (the 64-token kernel at decode sizes, 8 stages): experiment.
+      make(Family::kPrefill, 128, 32, 128), make(Family::kPrefill, 128, 16, 128),
   };
   return list;
 }
