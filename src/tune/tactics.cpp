@@ -53,11 +53,10 @@ const std::vector<Tactic>& compiled() {
       make(Family::kPrefill, 128, 64, 256),
       // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
       make(Family::kPrefill, 128, 128, 128),
-      // WGMMA with 64-token tiles (two CTAs per SM): chosen for 21-48 rows per expert (19-48 where all
-      // experts' 128-row tiles fit in one wave).
+      // WGMMA with 64-token tiles (two CTAs per SM): chosen for 27-48 rows per expert.
       make(Family::kPrefill, 128, 64, 128),
-      // WGMMA with 32- and 16-token tiles (the 64-token kernel at decode sizes, 8 stages): experiment.
-      make(Family::kPrefill, 128, 32, 128), make(Family::kPrefill, 128, 16, 128),
+      // WGMMA with 32-token tiles (the 64-token kernel with 8 stages): chosen for 20-26 rows per expert.
+      make(Family::kPrefill, 128, 32, 128),
   };
   return list;
 }
@@ -119,7 +118,13 @@ constexpr int64_t kDecodeN16MaxRows = 14;
 // on DeepSeek-V3 (1927 vs 2098, 1091 vs 1115), Qwen3-235B GEMM1 and Mixtral GEMM1, the 64-token tile on
 // Qwen3-30B GEMM2 (76 vs 85) and Mixtral GEMM2 (one wave). So n24 up to 20 rows, then the 64-token tile;
 // n32 is no longer chosen (kept for forcing and tuning).
-constexpr int64_t kDecodeN24MaxRows = 20;
+// Then a 32-token WGMMA tile (the same kernel, 8 stages; bench/results/2026-12-01_s14f_*, 18-28 rows on all
+// 8 shapes): at 20 rows it ties n24 on DeepSeek-V3 GEMM1 and Mixtral GEMM1 and wins elsewhere (1.02-1.22x),
+// at 18 rows n24 still wins on 5 of 8 (DeepSeek-V3 GEMM1 1744 vs 1870 us); at 22-26 rows it beats the
+// 64-token tile (1.03-1.12x; Qwen3-30B at 26 rows within 3% the other way), at 28 the 64-token tile wins
+// everywhere (DeepSeek-V3 GEMM1 2109 vs 2215). So n24 up to 19 rows, the 32-token tile up to 26.
+constexpr int64_t kDecodeN24MaxRows = 19;
+constexpr int64_t kWgmmaN32MaxRows = 26;
 // Where the 128-row tiles of all experts fit in one wave (few experts, small N: Mixtral's GEMM2, 8 x 32
 // tiles <= 2 CTAs x 132 SMs) the slowest expert sets the time, and a second token tile is a second wave:
 // n24 from 12 rows (Mixtral GEMM2 12-18 rows: n24 108-123 us, n16 132-175, n32 141) up to 18 (at 20
@@ -201,6 +206,8 @@ Tactic select_tactic(const GemmProblem& problem) {
     t = make(Family::kDecode, 128, 16, 256);
   } else if (rows_per_expert <= kDecodeN24MaxRows && !one_wave) {
     t = make(Family::kDecode, 128, 24, 256);
+  } else if (rows_per_expert <= kWgmmaN32MaxRows) {
+    t = make(Family::kPrefill, 128, 32, 128);  // WGMMA, 32-token tiles, 8 stages
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {
     t = make(Family::kPrefill, 128, 64, 128);  // WGMMA, 64-token tiles, two CTAs per SM
   } else {

@@ -59,17 +59,20 @@ TEST(Tactics, DecodeN16Boundaries) {
   EXPECT_EQ(chosen(14 * 256), "decode_m128_n16_k256");
 }
 
-TEST(Tactics, DecodeN24From15To20RowsThenWgmmaN64) {
+TEST(Tactics, DecodeN24From15To19RowsThenWgmmaN32To26) {
   EXPECT_EQ(chosen(14 * 256), "decode_m128_n16_k256");
   EXPECT_EQ(chosen(14 * 256 + 1), "decode_m128_n24_k256");
   EXPECT_EQ(qmoe::select_tactic(problem(14 * 256 + 1)).family, qmoe::Tactic::Family::kDecode);
-  EXPECT_EQ(chosen(20 * 256), "decode_m128_n24_k256");      // DeepSeek-V3 T=640, top-8
-  EXPECT_EQ(chosen(20 * 256 + 1), "prefill_m128_n64_k128");
-  EXPECT_EQ(chosen(22 * 256), "prefill_m128_n64_k128");     // DeepSeek-V3 T=704, top-8
-  EXPECT_EQ(chosen(24 * 256), "prefill_m128_n64_k128");     // DeepSeek-V3 T=768, top-8
-  EXPECT_EQ(chosen(96 * 2, 8), "prefill_m128_n64_k128");     // Mixtral T=96: 24 rows per expert
-  EXPECT_EQ(qmoe::select_tactic(problem(80 * 2, 8, 28672)).name(), "decode_m128_n24_k256");  // Mixtral GEMM1 T=80
-  EXPECT_EQ(qmoe::select_tactic(problem(84 * 2, 8, 28672)).name(), "prefill_m128_n64_k128");  // 21 rows
+  EXPECT_EQ(chosen(18 * 256), "decode_m128_n24_k256");      // DeepSeek-V3 T=576, top-8
+  EXPECT_EQ(chosen(19 * 256), "decode_m128_n24_k256");
+  EXPECT_EQ(chosen(19 * 256 + 1), "prefill_m128_n32_k128");
+  EXPECT_EQ(qmoe::select_tactic(problem(19 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
+  EXPECT_EQ(chosen(20 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T=640, top-8
+  EXPECT_EQ(chosen(24 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T=768, top-8
+  EXPECT_EQ(chosen(26 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T=832, top-8
+  EXPECT_EQ(chosen(96 * 2, 8), "prefill_m128_n32_k128");     // Mixtral T=96: 24 rows per expert
+  EXPECT_EQ(qmoe::select_tactic(problem(76 * 2, 8, 28672)).name(), "decode_m128_n24_k256");  // Mixtral GEMM1 T=76
+  EXPECT_EQ(qmoe::select_tactic(problem(80 * 2, 8, 28672)).name(), "prefill_m128_n32_k128");  // 20 rows
 }
 
 // Tiles of all experts in one wave (two CTAs per SM: <= 264 tiles of 128 rows): n24 at 12-18 rows.
@@ -81,7 +84,7 @@ TEST(Tactics, DecodeN24WhenOneWaveAt12To18Rows) {
   EXPECT_EQ(pick(48 * 2, 8, 4096), "decode_m128_n24_k256");   // 12 rows
   EXPECT_EQ(pick(44 * 2, 8, 4096), "decode_m128_n16_k256");   // 11 rows
   EXPECT_EQ(pick(72 * 2, 8, 4096), "decode_m128_n24_k256");   // 18 rows
-  EXPECT_EQ(pick(76 * 2, 8, 4096), "prefill_m128_n64_k128");  // 19 rows: the 64-token tile
+  EXPECT_EQ(pick(76 * 2, 8, 4096), "prefill_m128_n32_k128");  // 19 rows: the 32-token WGMMA tile
   EXPECT_EQ(pick(64 * 2, 8, 28672), "decode_m128_n24_k256");  // Mixtral GEMM1 (8 x 224 tiles): the general rule
   EXPECT_EQ(pick(48 * 2, 8, 28672), "decode_m128_n16_k256");  // ... n16 at 12 rows there
   EXPECT_EQ(pick(12 * 33, 33, 1024), "decode_m128_n24_k256");      // 33 x 8 = 264: one wave
@@ -89,9 +92,9 @@ TEST(Tactics, DecodeN24WhenOneWaveAt12To18Rows) {
   EXPECT_EQ(pick(12 * 128, 128, 2048), "decode_m128_n16_k256");    // Qwen3-30B GEMM2, T = 192
 }
 
-TEST(Tactics, WgmmaN64From21To48Rows) {
-  EXPECT_EQ(chosen(24 * 256 + 1), "prefill_m128_n64_k128");
-  EXPECT_EQ(qmoe::select_tactic(problem(24 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
+TEST(Tactics, WgmmaN64From27To48Rows) {
+  EXPECT_EQ(chosen(26 * 256 + 1), "prefill_m128_n64_k128");
+  EXPECT_EQ(chosen(28 * 256), "prefill_m128_n64_k128");   // DeepSeek-V3 T=896, top-8
   EXPECT_EQ(chosen(32 * 256), "prefill_m128_n64_k128");  // DeepSeek-V3 T=1024, top-8
   EXPECT_EQ(chosen(48 * 256), "prefill_m128_n64_k128");  // DeepSeek-V3 T=1536, top-8
 }
@@ -158,7 +161,7 @@ TEST(Tactics, NoValidTacticOutsideLimits) {
 
 TEST(Tactics, NameRoundTrip) {
   auto valid = qmoe::valid_tactics(problem(8));
-  EXPECT_EQ(valid.size(), 9u);
+  EXPECT_EQ(valid.size(), 10u);
   for (const auto& t : valid) {
     EXPECT_EQ(qmoe::parse_tactic(t.name()), t);
     EXPECT_EQ(qmoe::parse_tactic(t.name()).name(), t.name());

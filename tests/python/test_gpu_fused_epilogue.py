@@ -45,7 +45,7 @@ ENV = "QMOE_FUSED_EPILOGUE"
 POISON = 0xAA
 DECODE_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256", "decode_m128_n24_k256", "decode_m128_n32_k256",
                   "decode_m64_n8_k512", "decode_m64_n32_k512")
-WGMMA_TACTICS = ("prefill_m128_n128_k128", "prefill_m128_n64_k128")
+WGMMA_TACTICS = ("prefill_m128_n128_k128", "prefill_m128_n64_k128", "prefill_m128_n32_k128")
 WGMMA_ENV = "QMOE_WGMMA_FUSED_EPILOGUE"  # the WGMMA tiles' fused epilogue is opt-in (w4a8_act_requant.h)
 
 

@@ -107,12 +107,11 @@ bool is_tactic(const Tactic& tactic, Tactic::Family f, int m, int n, int k) {
   return tactic.family == f && tactic.tile_m == m && tactic.tile_n == n && tactic.tile_k == k && tactic.split_k == 1;
 }
 
-// The WGMMA tactics (prefill_m128_n128_k128 and prefill_m128_n64_k128: sm90_grouped_gemm_w4a8_int4_wgmma.cu).
+// The WGMMA tactics (prefill_m128_n{128,64,32}_k128: sm90_grouped_gemm_w4a8_int4_wgmma.cu).
 bool is_wgmma(const Tactic& tactic) {
   return is_tactic(tactic, Tactic::Family::kPrefill, 128, 128, 128) ||
          is_tactic(tactic, Tactic::Family::kPrefill, 128, 64, 128) ||
-         is_tactic(tactic, Tactic::Family::kPrefill, 128, 32, 128) ||
-         is_tactic(tactic, Tactic::Family::kPrefill, 128, 16, 128);
+         is_tactic(tactic, Tactic::Family::kPrefill, 128, 32, 128);
 }
 
 WgmmaGemmParams wgmma_params(const W4A8GemmParams& params) {

@@ -13,10 +13,10 @@
 // tile boundaries. Two kernels (same math, same bits):
 //   wgmma_ws       128-token tiles: warp-specialized, a loading warpgroup (per-stage mbarriers) and two
 //                  computing warpgroups that run out of step, 6 stages;
-//   wgmma_prefill  64-token tiles (wgmma m64n64k32), for experts with fewer rows: all warps compute in
-//                  step, two CTAs per SM.
-// Both load a stage as three TMA boxes (activations, weights, scales) from one thread, except the fused
-// activation epilogue's variants, whose remapped weight rows every loading thread gathers with cp.async.
+//   wgmma_prefill  64- and 32-token tiles (wgmma m64n64k32 / m64n32k32), for experts with fewer rows: all
+//                  warps compute in step, two CTAs per SM.
+// Both load a stage by TMA from one thread: the activation box, the weights and the scales as two 64-row
+// halves each (WithTmaMaps).
 // A persistent grid walks the (expert, feature tile, token tile)
 // list built in shared memory from the device-side problem sizes, so empty experts cost nothing.
 // The stage loader, descriptors, barriers and epilogue stores: wgmma_building_blocks.cuh.
@@ -118,11 +118,12 @@ constexpr bool kOverlapConvert = true;
 // activation epilogue's park, h of one tile (TILE_N x 128 fp32), after the work list.
 template <int TILE_N, bool kAct = false>
 struct Shape {
-  static_assert(TILE_N == 16 || TILE_N == 32 || TILE_N == 64 || TILE_N == 128, "wgmma m64nNk32, N = 16 .. 128");
+  static_assert(TILE_N == 32 || TILE_N == 64 || TILE_N == 128, "wgmma m64n32k32, m64n64k32 or m64n128k32");
   // Stages of 17 KB (64 tokens): 5, two CTAs per SM in 2 x 92 KB; with the fused epilogue's 34 KB park, 4
   // (two CTAs still fit). With the overlapped conversion one stage ahead is landed, the rest in flight.
-  // Decode-sized tiles (16 / 32 tokens, 11-13 KB stages): 8 stages, more bytes in flight.
-  static constexpr int kStages = TILE_N <= 32 ? 8 : kAct ? 4 : 5;
+  // 32-token tiles (13 KB stages, chosen at 20-26 rows per expert: weight streaming): 8 stages, more
+  // bytes in flight per SM.
+  static constexpr int kStages = TILE_N == 32 ? 8 : kAct ? 4 : 5;
   static_assert(kStages >= 3, "the overlapped conversion needs stage it + 1 landed while it + 2.. load");
   static constexpr int kAcc = TILE_N / 2;                 // fp32 accumulator registers per thread
   static constexpr int kStageA = TILE_N * kGroup;         // activations, TILE_N rows x 128 bytes
@@ -167,23 +168,12 @@ __device__ __forceinline__ void wgmma_m64n32k32(float (&d)[16], uint32_t a0, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(accumulate));
 }
 
-// d (64 x 16 fp32 per warpgroup) (+)= A (64 x 32 e4m3, registers) * B^T (16 x 32 e4m3, smem).
-__device__ __forceinline__ void wgmma_m64n16k32(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2,
-                                                uint32_t a3, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(accumulate));
-}
-
 template <int TILE_N>
 __device__ __forceinline__ void wgmma_k32(float (&d)[TILE_N / 2], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                           uint64_t desc_b, int accumulate) {
   if constexpr (TILE_N == 128) wgmma_m64n128k32(d, a0, a1, a2, a3, desc_b, accumulate);
   else if constexpr (TILE_N == 64) wgmma_m64n64k32(d, a0, a1, a2, a3, desc_b, accumulate);
-  else if constexpr (TILE_N == 32) wgmma_m64n32k32(d, a0, a1, a2, a3, desc_b, accumulate);
-  else wgmma_m64n16k32(d, a0, a1, a2, a3, desc_b, accumulate);
+  else wgmma_m64n32k32(d, a0, a1, a2, a3, desc_b, accumulate);
 }
 
 // Four int4 (nibble i of v = K index i) -> four e4m3 bytes (byte i), exact.
@@ -622,8 +612,8 @@ void launch_typed(const Base& params, int64_t rows, cudaStream_t stream) {
 
 void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int tile_n, bool fp32_out,
                                cudaStream_t stream) {
-  QMOE_CHECK_ARG(tile_n == 16 || tile_n == 32 || tile_n == 64 || tile_n == 128, "tactic",
-                 "a WGMMA token tile of 16, 32, 64 or 128", std::to_string(tile_n));
+  QMOE_CHECK_ARG(tile_n == 32 || tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 32, 64 or 128",
+                 std::to_string(tile_n));
   auto launch = [&](auto tile) {
     constexpr int kTileN = decltype(tile)::value;
     if (fp32_out) launch_typed<float, kTileN>(params, rows, stream);
@@ -631,17 +621,15 @@ void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int 
   };
   if (tile_n == 128) launch(std::integral_constant<int, 128>{});
   else if (tile_n == 64) launch(std::integral_constant<int, 64>{});
-  else if (tile_n == 32) launch(std::integral_constant<int, 32>{});
-  else launch(std::integral_constant<int, 16>{});
+  else launch(std::integral_constant<int, 32>{});
 }
 
 void launch_w4a8_wgmma_act_requant(const WgmmaActGemmParams& params, int64_t rows, int tile_n, cudaStream_t stream) {
-  QMOE_CHECK_ARG(tile_n == 16 || tile_n == 32 || tile_n == 64 || tile_n == 128, "tactic",
-                 "a WGMMA token tile of 16, 32, 64 or 128", std::to_string(tile_n));
+  QMOE_CHECK_ARG(tile_n == 32 || tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 32, 64 or 128",
+                 std::to_string(tile_n));
   if (tile_n == 128) launch_typed<ActE4m3, 128>(params, rows, stream);
   else if (tile_n == 64) launch_typed<ActE4m3, 64>(params, rows, stream);
-  else if (tile_n == 32) launch_typed<ActE4m3, 32>(params, rows, stream);
-  else launch_typed<ActE4m3, 16>(params, rows, stream);
+  else launch_typed<ActE4m3, 32>(params, rows, stream);
 }
 
 }  // namespace qmoe::cuda
