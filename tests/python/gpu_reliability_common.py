@@ -322,5 +322,7 @@ GEMM_ODD = {  # name: (experts, N, K, rows per expert, per-row a_scales)
     "small_e5_n200_k640": (5, 200, 640, (1, 33, 0, 65, 3), True),
     "small_e4_n8_k128": (4, 8, 128, (2, 0, 0, 1), False),
     "small_e6_n136_k1536": (6, 136, 1536, (1, 2, 3, 0, 31, 9), True),  # K % 512 == 0: packed scales
+    # packed scales with N below the WGMMA tiles' 64-row TMA boxes; 70 rows: several token tiles
+    "small_e3_n24_k1024": (3, 24, 1024, (70, 0, 5), False),
     "big_e2_n1032_k1152": (2, 1032, 1152, (129, 7), False),
 }
