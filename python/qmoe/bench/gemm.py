@@ -14,7 +14,7 @@ calls between CUDA events if capture fails), divided by the number of sets; medi
 Bytes touched = int4 weights of the experts hit + their bf16 group scales + fp8 activations +
 bf16 output; FLOPs = 2 M N K. Floor = max(bytes / copy bandwidth, FLOPs / dense fp8 rate), both
 measured at the start of the run (1 GiB device copy; torch._scaled_mm 8192^3, fast accum).
-Output: a markdown table on stdout; JSON + markdown under bench/results/ named
+Output: a markdown table on stdout (with, below it, which points meet issue #3's targets); JSON + markdown under bench/results/ named
 <date>_<gpu>_gemm.{json,md}.
 """
 from __future__ import annotations
@@ -198,7 +198,56 @@ def bench_row(torch, sgl, ops, model, shape, tokens, gemm, meta, args, ceilings,
 # ------------------------------------------------------------------------------------------------
 # report
 # ------------------------------------------------------------------------------------------------
-def markdown(rows, header_lines):
+# Issue #3's targets (DESIGN.md 8): decode (T <= 256) within max(1.25 x floor, floor + 3 us); prefill
+# (>= 1024 rows per expert hit) at >= 75% of the dense fp8 rate; faster than torch fp8 and than SGLang.
+DECODE_MAX_T = 256
+PREFILL_MIN_ROWS_PER_EXPERT = 1024
+
+
+def target_checks(row, fp8_tflops):
+    """[(target, met, detail)] for one measured row (none without a qmoe time)."""
+    us = row.get("qmoe_us")
+    if us is None:
+        return []
+    checks = []
+    floor = row.get("floor_us")
+    if row["T"] <= DECODE_MAX_T and floor:
+        limit = max(1.25 * floor, floor + 3.0)
+        checks.append(("decode <= max(1.25 x floor, floor + 3 us)", us <= limit, f"{us / floor:.2f}x floor"))
+    hit = row.get("experts_hit") or 0
+    if hit and row["M"] / hit >= PREFILL_MIN_ROWS_PER_EXPERT and fp8_tflops and row.get("tflops"):
+        frac = row["tflops"] / fp8_tflops
+        checks.append(("prefill >= 0.75 x dense fp8 rate", frac >= 0.75, f"{frac:.2f} of the fp8 rate"))
+    for key, name in (("torch_fp8_us", "faster than torch fp8"), ("sglang_us", "faster than SGLang")):
+        peer = row.get(key)
+        if peer:
+            checks.append((name, us < peer, f"{us / peer:.2f}x its time"))
+    return checks
+
+
+def targets_summary(rows, fp8_tflops):
+    """Markdown lines: per target, the points that meet it and the ones that miss it (with by how much)."""
+    order, met, missed = [], {}, {}
+    for r in rows:
+        for name, ok, detail in target_checks(r, fp8_tflops):
+            if name not in met:
+                order.append(name)
+                met[name], missed[name] = 0, []
+            if ok:
+                met[name] += 1
+            else:
+                missed[name].append(f"{r['model']} {r['gemm']} T={r['T']} ({detail})")
+    if not order:
+        return []
+    out = ["", "Targets (issue #3), met at / of the points measured:"]
+    for name in order:
+        total = met[name] + len(missed[name])
+        line = f"- {name}: {met[name]} / {total}"
+        out.append(line + (("; missed at " + ", ".join(missed[name])) if missed[name] else ""))
+    return out
+
+
+def markdown(rows, header_lines, fp8_tflops=None):
     cols = ["model", "gemm", "T", "M", "hit", "N", "K", "qmoe us", "TB/s", "TFLOP/s", "floor us", "floor/time",
             "torch bf16 us", "torch fp8 us", "SGLang us", "tactic"]
     out = list(header_lines) + ["", "| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * 7 + ["--:"] * 8 + ["---"]) + "|"]
@@ -215,6 +264,7 @@ def markdown(rows, header_lines):
                     for key, label in labels.items() if key in r})
     if notes:
         out += ["", "Errors / unavailable:"] + [f"- {n}" for n in notes]
+    out += targets_summary(rows, fp8_tflops)
     return "\n".join(out)
 
 
@@ -273,7 +323,7 @@ def main(argv=None) -> int:
                       f"fp8 {_fmt(row.get('torch_fp8_us'))}, SGLang {_fmt(row.get('sglang_us'))}"
                       + (f" [{row['qmoe_error']}]" if "qmoe_error" in row else ""), flush=True)
 
-    table = markdown(rows, header)
+    table = markdown(rows, header, fp8_tflops)
     print()
     print(table)
     os.makedirs(args.out_dir, exist_ok=True)
