@@ -686,3 +686,28 @@ def test_sample_budget_stops_early():
     before = t.cuda.clock_ms
     common.time_eager(t, calls, iters=1000, warmup=0, budget_s=0.010)  # 10 ms budget, 1 ms per call
     assert 5 <= t.cuda.clock_ms - before <= 12
+
+
+# ------------------------------------------------------------------------------------------------
+# issue #4 / #5 targets under the table
+# ------------------------------------------------------------------------------------------------
+def test_targets_use_the_faster_finalize_and_the_decode_window():
+    row = dict(model="m", T=64, floor_us=100.0, qmoe_det_graph_us=140.0, qmoe_fused_graph_us=129.0,
+               vllm_fp8_graph_us=129.0, vllm_bf16_graph_us=200.0)
+    checks = {name: ok for name, ok, _ in moe.target_checks(row)}
+    assert checks["decode (T <= 64) <= 1.3 x floor"] is True            # 129 <= 130 (the fused finalize)
+    assert checks["faster than vLLM fp8"] is False                      # a tie is not faster
+    assert checks["faster than vLLM bf16"] is True
+    assert "faster than vLLM int4" not in checks                        # no peer time: no check
+    assert {n for n, _, _ in moe.target_checks(row, finalizes=("det",))} >= {"decode (T <= 64) <= 1.3 x floor"}
+    assert not dict((n, ok) for n, ok, _ in moe.target_checks(row, finalizes=("det",)))["decode (T <= 64) <= 1.3 x floor"]
+    assert "decode (T <= 64) <= 1.3 x floor" not in {n for n, _, _ in moe.target_checks(dict(row, T=65))}
+
+
+def test_targets_summary_under_the_table():
+    rows = _rows()  # qwen3 T=8: 55.5 us (fused) vs floor 30 (1.85x), vLLM bf16 157.9; gpt-oss: no qmoe time
+    text = moe.markdown(rows, [])
+    assert "- decode (T <= 64) <= 1.3 x floor: 0 / 1; missed at qwen3_30b_a3b T=8 (1.85x floor)" in text
+    assert "- faster than vLLM bf16: 1 / 1" in text
+    assert "gpt_oss_120b T=8 (" not in text.split("Targets")[1]
+    assert moe.targets_summary([rows[1]]) == []

@@ -259,6 +259,52 @@ TABLE_COLUMNS = (
 )
 
 
+# Issues #4 / #5's layer targets: decode (T <= 64) within 1.3x the two GEMMs' floors; faster than every peer
+# at every point. qmoe's time is the faster of the finalizes measured (graph replay).
+DECODE_MAX_T = 64
+DECODE_FLOOR_RATIO = 1.3
+TARGET_PEERS = (("torch_fp8_graph_us", "torch fp8"), ("vllm_bf16_graph_us", "vLLM bf16"),
+                ("vllm_fp8_graph_us", "vLLM fp8"), ("vllm_int4_graph_us", "vLLM int4"))
+
+
+def target_checks(row, finalizes=tuple(FINALIZES)):
+    """[(target, met, detail)] for one row (none without a qmoe graph time)."""
+    times = [row[k] for k in (f"qmoe_{f}_graph_us" for f in finalizes) if isinstance(row.get(k), (int, float))]
+    if not times:
+        return []
+    us, floor = min(times), row.get("floor_us")
+    checks = []
+    if row["T"] <= DECODE_MAX_T and floor:
+        checks.append((f"decode (T <= {DECODE_MAX_T}) <= {DECODE_FLOOR_RATIO} x floor", us <= DECODE_FLOOR_RATIO * floor,
+                       f"{us / floor:.2f}x floor"))
+    for key, name in TARGET_PEERS:
+        peer = row.get(key)
+        if isinstance(peer, (int, float)) and peer > 0:
+            checks.append((f"faster than {name}", us < peer, f"{us / peer:.2f}x its time"))
+    return checks
+
+
+def targets_summary(rows, finalizes=tuple(FINALIZES)):
+    """Markdown lines: per target, the points that meet it and the ones that miss it (with by how much)."""
+    order, met, missed = [], {}, {}
+    for r in rows:
+        for name, ok, detail in target_checks(r, finalizes):
+            if name not in met:
+                order.append(name)
+                met[name], missed[name] = 0, []
+            if ok:
+                met[name] += 1
+            else:
+                missed[name].append(f"{r['model']} T={r['T']} ({detail})")
+    if not order:
+        return []
+    out = ["", "Targets (issues #4 / #5; qmoe = the faster finalize, graph replay), met at / of the points measured:"]
+    for name in order:
+        line = f"- {name}: {met[name]} / {met[name] + len(missed[name])}"
+        out.append(line + (("; missed at " + ", ".join(missed[name])) if missed[name] else ""))
+    return out
+
+
 def markdown(rows, header_lines, finalizes=tuple(FINALIZES)) -> str:
     cols = [c for c in TABLE_COLUMNS if not c[1].startswith("qmoe_") or c[1].split("_")[1] in finalizes]
     out = list(header_lines) + ["", "| model | T | " + " | ".join(c[0] for c in cols) + " |",
@@ -272,6 +318,7 @@ def markdown(rows, header_lines, finalizes=tuple(FINALIZES)) -> str:
     if where:
         out += ["", "Unavailable (n/a), with the rows:"]
         out += [f"- {key}: {why} ({', '.join(at)})" for (key, why), at in sorted(where.items())]
+    out += targets_summary(rows, finalizes)
     return "\n".join(out)
 
 
