@@ -19,12 +19,10 @@
 // halves each (WithTmaMaps).
 // A persistent grid walks the (expert, feature tile, token tile)
 // list built in shared memory from the device-side problem sizes, so empty experts cost nothing.
-// The stage loader, descriptors, barriers and epilogue stores: wgmma_building_blocks.cuh.
+// Descriptors, barriers and epilogue stores: wgmma_building_blocks.cuh; the TMA stages: wgmma_tma.cuh.
 // Limits (checked by the caller): K % 128 == 0, N % 8 == 0, E <= 1024, 16-byte aligned pointers.
-#include <cuda.h>  // CUtensorMap (the driver function is looked up at run time: no libcuda link)
 #include <cuda_bf16.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -37,75 +35,10 @@
 #include "cuda/gemm/resident_ctas.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
 #include "cuda/gemm/wgmma_building_blocks.cuh"
+#include "cuda/gemm/wgmma_tma.cuh"
 #include "qmoe/error.h"
 
 namespace qmoe::cuda {
-// TMA stages (both kernels, every variant): one thread issues a stage's boxes (activations, two weight
-// half tiles, two scale half rows) instead of every loading thread ~14 cp.async; one mbarrier
-// transaction per stage tells the computing threads it landed. The tensor maps are encoded on the host
-// per call (tma_params). Weights and scales come in 64-row halves because the fused activation
-// epilogue's tiles (kAct) take their gate rows and their up rows from two places (act_tile_rows); the
-// plain tiles' halves are adjacent. Rows past an expert's end come from the next rows of A (not zeros):
-// their token columns are never stored; weight rows past N likewise (the epilogue checks the row);
-// past the tensors' ends the boxes are zero-filled.
-template <class Base>
-struct WithTmaMaps : Base {
-  CUtensorMap act_map;     // A as [R rows, K bytes]: boxes of TILE_N tokens x 128 bytes, 128-byte swizzle
-  CUtensorMap weight_map;  // B as [E * N rows, K / 2 bytes]: boxes of 64 rows x 64 bytes
-  CUtensorMap scale_map;   // scales [E * K/512 rows, N x int64 (4 bf16)] or [E * K/128, N x bf16]: 64 per box
-};
-using WgmmaTmaParams = WithTmaMaps<WgmmaGemmParams>;
-using WgmmaActTmaParams = WithTmaMaps<WgmmaActGemmParams>;
-
-namespace wgmma {
-
-constexpr int kHalf = kTileM / 2;  // weight rows per box
-
-template <class OutT>
-using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActTmaParams, WgmmaTmaParams>;
-
-// Where a tile's boxes start in the three maps; a stage adds its group.
-struct TmaTile {
-  int act_row;
-  int weight_row[2];  // the two halves' first rows in B (as E * N rows)
-  int scale_col[2];   // ... their first scale columns (weight rows of the expert)
-  int scale_row;      // the expert's first scale row
-};
-template <class OutT>
-__device__ __forceinline__ TmaTile tma_tile(const ParamsOf<OutT>& p, const GroupedTile& t) {
-  int lo = t.n0, hi = t.n0 + kHalf;
-  if constexpr (std::is_same<OutT, ActE4m3>::value) {
-    const ActTileRows rows = act_tile_rows<kTileM>(p.act_out, t.n0);
-    lo = rows.lo;
-    hi = rows.lo + kHalf + rows.jump;
-  }
-  const int expert_row = t.expert * p.n;
-  const int scale_rows_per_expert = p.scales_packed4 ? p.k / 512 : p.k / kGroup;
-  return {t.row0, {expert_row + lo, expert_row + hi}, {lo, hi}, t.expert * scale_rows_per_expert};
-}
-// The bytes of one stage: the boxes are full even where they are zero-filled.
-template <int TILE_N>
-__device__ __forceinline__ uint32_t tma_stage_bytes(const WgmmaGemmParams& p) {
-  return TILE_N * kGroup + kStageW + (p.scales_packed4 ? kTileM * 8 : kTileM * 2);
-}
-// Stage (tile t, group g) into shared memory at sa: TILE_N activation rows (128-byte swizzle), the
-// tile's 128 weight rows (64 bytes each), their scales of group g (8 or 2 bytes a row). The bytes
-// complete a transaction of bar, which the caller announced (mbar_arrive_expect_tx).
-template <int TILE_N, class P>
-__device__ __forceinline__ void tma_load_stage(const P& p, const TmaTile& t, int g, uint32_t sa, uint64_t* bar) {
-  const uint32_t sw = sa + TILE_N * kGroup, ss = sw + kStageW;
-  const int scale_bytes = p.scales_packed4 ? 8 : 2;
-  const int scale_row = t.scale_row + (p.scales_packed4 ? g / 4 : g);
-  tma_load_2d(sa, &p.act_map, g * kGroup, t.act_row, bar);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    tma_load_2d(sw + h * kHalf * (kGroup / 2), &p.weight_map, g * (kGroup / 2), t.weight_row[h], bar);
-    tma_load_2d(ss + h * kHalf * scale_bytes, &p.scale_map, t.scale_col[h], scale_row, bar);
-  }
-}
-
-}  // namespace wgmma
-
 namespace wgmma_prefill {
 
 using namespace wgmma;  // (wgmma_building_blocks.cuh)
@@ -536,68 +469,13 @@ namespace {
 template <class OutT>
 constexpr bool kActOut = std::is_same<OutT, ActE4m3>::value;
 
-// cuTensorMapEncodeTiled from the driver, looked up once (the library links only the CUDA runtime).
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found),
-               "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
-    QMOE_CHECK_ARG(found == cudaDriverEntryPointSuccess && f != nullptr, "driver",
-                   "a CUDA driver with cuTensorMapEncodeTiled (CUDA 12+)", "none");
-    return reinterpret_cast<EncodeTiled>(f);
-  }();
-  return fn;
-}
-
-// A row-major matrix [rows, cols] of elem_bytes-wide elements as a 2-D tensor map with boxes of
-// box_rows x box_cols elements.
-CUtensorMap matrix_map(const void* base, CUtensorMapDataType type, int elem_bytes, int64_t rows, int64_t cols,
-                       int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * elem_bytes)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
-                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  QMOE_CHECK_ARG(r == CUDA_SUCCESS, "tensor map", "cuTensorMapEncodeTiled to accept the operand",
-                 "error " + std::to_string(static_cast<int>(r)));
-  return map;
-}
-
-// The kernels' parameters with the three tensor maps of their TMA stages (TILE_N-token boxes of A, 64-row
-// halves of B and of the scales). Packed-4 scales: one weight row's 4 bf16 in 8 bytes (an int64 element).
-template <int TILE_N, class Base>
-WithTmaMaps<Base> tma_params(const Base& params, int64_t rows) {
-  using wgmma::kGroup;
-  using wgmma::kHalf;
-  WithTmaMaps<Base> tp;
-  static_cast<Base&>(tp) = params;
-  const int64_t experts = params.num_experts;
-  tp.act_map = matrix_map(params.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, params.k, TILE_N, kGroup,
-                          CU_TENSOR_MAP_SWIZZLE_128B);
-  tp.weight_map = matrix_map(params.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * params.n, params.k / 2, kHalf,
-                             kGroup / 2, CU_TENSOR_MAP_SWIZZLE_NONE);
-  tp.scale_map = params.scales_packed4
-                     ? matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_INT64, 8, experts * (params.k / 512),
-                                  params.n, 1, kHalf, CU_TENSOR_MAP_SWIZZLE_NONE)
-                     : matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, experts * (params.k / kGroup),
-                                  params.n, 1, kHalf, CU_TENSOR_MAP_SWIZZLE_NONE);
-  return tp;
-}
-
 // 128-token tiles: the warp-specialized kernel (1.1-1.25x faster on the H200 at DeepSeek-V3,
-// Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_s3_h200_wgmma_ws.md); 64-token tiles
-// keep the two-CTAs-per-SM kernel, which measured 1-5% faster there (~120 registers and 75 KB: two
-// CTAs fit on an SM, and both are used).
+// Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_s3_h200_wgmma_ws.md); 64- and 32-token
+// tiles keep the two-CTAs-per-SM kernel, which measured 1-5% faster at 64 (127 registers and ~90 KB: two
+// CTAs fit on an SM, and both are used; its warp-specialized version was 4-13% slower, s13b).
 template <class OutT, int TILE_N, class Base>
 void launch_typed(const Base& params, int64_t rows, cudaStream_t stream) {
-  const auto tp = tma_params<TILE_N>(params, rows);
+  const auto tp = tma_params(params, rows, TILE_N);
   constexpr bool kAct = kActOut<OutT>;
   if constexpr (TILE_N == 128) {
     launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, kAct>::kSmemBytes,
