@@ -55,8 +55,8 @@ struct Shape {
   // Stages of 17 KB (64 tokens): 5, two CTAs per SM in 2 x 92 KB; with the fused epilogue's 34 KB park, 4
   // (two CTAs still fit). With the overlapped conversion one stage ahead is landed, the rest in flight.
   // 32-token tiles (13 KB stages, chosen at 20-26 rows per expert: weight streaming): 8 stages, more
-  // bytes in flight per SM.
-  static constexpr int kStages = TILE_N == 32 ? 8 : kAct ? 4 : 5;
+  // bytes in flight per SM; 6 with the park, so that two CTAs still fit.
+  static constexpr int kStages = TILE_N == 32 ? (kAct ? 6 : 8) : kAct ? 4 : 5;
   static_assert(kStages >= 3, "the overlapped conversion needs stage it + 1 landed while it + 2.. load");
   static constexpr int kAcc = TILE_N / 2;                 // fp32 accumulator registers per thread
   static constexpr int kStageA = TILE_N * kGroup;         // activations, TILE_N rows x 128 bytes
@@ -69,6 +69,7 @@ struct Shape {
   static constexpr int kSmemBytes =
       1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes + kParkBytes;  // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
+  static_assert(TILE_N == 128 || 2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs per SM (+ 1 KB reserved each)");
 };
 
 // d (64 x 128 fp32 per warpgroup) (+)= A (64 x 32 e4m3, registers) * B^T (128 x 32 e4m3, smem).
