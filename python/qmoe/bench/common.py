@@ -94,6 +94,28 @@ def activation_bytes(fmt: str, m: int, k: int) -> int:
     return int(m * k * per) + (m * (k // block) if block else 0)
 
 
+def targets_summary(checks, title):
+    """Markdown lines under a results table: per target, how many points meet it and where the others miss
+    (by how much). checks: (point label, [(target, met, detail)]) per measured point."""
+    order, met, missed = [], {}, {}
+    for point, point_checks in checks:
+        for name, ok, detail in point_checks:
+            if name not in met:
+                order.append(name)
+                met[name], missed[name] = 0, []
+            if ok:
+                met[name] += 1
+            else:
+                missed[name].append(f"{point} ({detail})")
+    if not order:
+        return []
+    out = ["", title]
+    for name in order:
+        line = f"- {name}: {met[name]} / {met[name] + len(missed[name])}"
+        out.append(line + (("; missed at " + ", ".join(missed[name])) if missed[name] else ""))
+    return out
+
+
 def gemm_floor(experts_hit: int, m: int, n: int, k: int, copy_tbps: float, tflops: float,
                mode: str = "w4a8_int4") -> dict:
     """One grouped GEMM of M valid rows in `mode`'s formats, `tflops` the dense rate QUANT_MODES

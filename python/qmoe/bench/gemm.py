@@ -31,6 +31,7 @@ from .common import norm as _norm
 from .common import peer_path
 from .common import routing as _routing
 from .common import scale_shape as _scale_shape
+from .common import targets_summary as _targets_summary
 from .common import time_calls as _time_calls
 from .common import weight_sets as _weight_sets
 
@@ -227,24 +228,8 @@ def target_checks(row, fp8_tflops):
 
 def targets_summary(rows, fp8_tflops):
     """Markdown lines: per target, the points that meet it and the ones that miss it (with by how much)."""
-    order, met, missed = [], {}, {}
-    for r in rows:
-        for name, ok, detail in target_checks(r, fp8_tflops):
-            if name not in met:
-                order.append(name)
-                met[name], missed[name] = 0, []
-            if ok:
-                met[name] += 1
-            else:
-                missed[name].append(f"{r['model']} {r['gemm']} T={r['T']} ({detail})")
-    if not order:
-        return []
-    out = ["", "Targets (issue #3), met at / of the points measured:"]
-    for name in order:
-        total = met[name] + len(missed[name])
-        line = f"- {name}: {met[name]} / {total}"
-        out.append(line + (("; missed at " + ", ".join(missed[name])) if missed[name] else ""))
-    return out
+    checks = [(f"{r['model']} {r['gemm']} T={r['T']}", target_checks(r, fp8_tflops)) for r in rows]
+    return _targets_summary(checks, "Targets (issue #3), met at / of the points measured:")
 
 
 def markdown(rows, header_lines, fp8_tflops=None):

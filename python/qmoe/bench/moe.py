@@ -286,23 +286,9 @@ def target_checks(row, finalizes=tuple(FINALIZES)):
 
 def targets_summary(rows, finalizes=tuple(FINALIZES)):
     """Markdown lines: per target, the points that meet it and the ones that miss it (with by how much)."""
-    order, met, missed = [], {}, {}
-    for r in rows:
-        for name, ok, detail in target_checks(r, finalizes):
-            if name not in met:
-                order.append(name)
-                met[name], missed[name] = 0, []
-            if ok:
-                met[name] += 1
-            else:
-                missed[name].append(f"{r['model']} T={r['T']} ({detail})")
-    if not order:
-        return []
-    out = ["", "Targets (issues #4 / #5; qmoe = the faster finalize, graph replay), met at / of the points measured:"]
-    for name in order:
-        line = f"- {name}: {met[name]} / {met[name] + len(missed[name])}"
-        out.append(line + (("; missed at " + ", ".join(missed[name])) if missed[name] else ""))
-    return out
+    checks = [(f"{r['model']} T={r['T']}", target_checks(r, finalizes)) for r in rows]
+    return common.targets_summary(
+        checks, "Targets (issues #4 / #5; qmoe = the faster finalize, graph replay), met at / of the points measured:")
 
 
 def markdown(rows, header_lines, finalizes=tuple(FINALIZES)) -> str:
