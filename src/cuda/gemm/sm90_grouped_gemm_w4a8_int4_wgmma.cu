@@ -300,7 +300,9 @@ struct Shape {
 // previous one was taken: mbarrier park_free) and go on; the loading warpgroup runs the items loop
 // (act_requant_items.cuh) on it between its loads (mbarrier parked). Session 6 ran the items loop in the
 // computing warpgroups between two named barriers: bitwise right, 6-10% slower than the separate path
-// at T = 4096 (the tensor cores waited); this version was written after that run, not yet on a GPU.
+// at T = 4096 (the tensor cores waited). This version is bitwise right too, and 10-20% slower per layer
+// (sessions 8 and 14, s14i: the items loop's instructions compete for the same SMs' issue slots), so the
+// fused epilogue stays opt-in on the WGMMA tiles (w4a8_act_requant.h).
 template <class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)

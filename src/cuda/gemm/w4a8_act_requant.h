@@ -46,7 +46,7 @@ bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activ
 // stalls the CTA's main loop once per tile, which costs more than it saves where the n8 tile runs its
 // many-tile shape (3 CTAs per SM, n8_tiles_fill_three_per_sm): DeepSeek-V3 T = 8 / 64 +2% / +3%,
 // Qwen3-235B +5% / +2%. So: every supported tactic except n8 with that many tiles. The WGMMA tiles only
-// with QMOE_WGMMA_FUSED_EPILOGUE=1 (written after session 6's last GPU run: not yet run or timed).
+// with QMOE_WGMMA_FUSED_EPILOGUE=1 (bitwise right, but 10-20% slower per prefill layer: sessions 7, 8, 14).
 // rows: GEMM1's rows (slots), num_experts: its experts (local), n: GEMM1's N.
 bool act_requant_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device);
 
