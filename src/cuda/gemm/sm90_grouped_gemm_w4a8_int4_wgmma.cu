@@ -262,9 +262,9 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
 
 }  // namespace wgmma_prefill
 
-// Warp-specialized variant: warpgroup 0 only loads (TMA boxes from one thread in the plain variants,
-// cp.async from all 128 in the fused epilogue's; completion signalled on a per-stage "full" mbarrier), warpgroups 1 and 2 only compute (64 weight rows each) and hand a stage back on
-// its "empty" mbarrier. The two compute warpgroups are not tied together by __syncthreads, so one's
+// Warp-specialized variant: warpgroup 0 only loads (TMA boxes from its thread 0; completion signalled on a
+// per-stage "full" mbarrier; its other threads run the fused epilogue's items loop, or exit), warpgroups 1
+// and 2 only compute (64 weight rows each) and hand a stage back on its "empty" mbarrier. The two compute warpgroups are not tied together by __syncthreads, so one's
 // int4 -> e4m3 conversion and group promotion run while the other's wgmmas use the tensor cores, and
 // each converts the next stage's weights while its own wgmmas run.
 //
