@@ -118,14 +118,18 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
 // The A operand of one stage (both kernels): this thread's int4 weights, rows r0 and r1 of the stage's
 // weight tile at sw (64 bytes a row), as e4m3. K step k (32 K = 16 bytes of a row): the A registers hold
 // K 4 tig..+3 (bytes 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then r1.
-// shift: (tig & 1) * 16, the caller's (computed once per kernel).
+// shift: (tig & 1) * 16, the caller's (computed once per kernel). The weight boxes land with the 64-byte
+// swizzle (wgmma_tma_maps.cu): K step k of row r sits in 16-byte chunk k ^ ((r >> 1) & 3), so a warp's
+// 8 rows (gid) read 8 different bank quads instead of 4-way conflicting ones (rows 128 bytes apart).
+// r1 = r0 + 8 has the same chunk order.
 __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int r1, int tig, int shift,
                                                 uint32_t (&a)[4][4]) {
+  const int x = (r0 >> 1) & 3;
   uint4 w0[4], w1[4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    w0[c] = reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2))[c];
-    w1[c] = reinterpret_cast<const uint4*>(sw + r1 * (kGroup / 2))[c];
+    w0[c] = reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2))[c ^ x];
+    w1[c] = reinterpret_cast<const uint4*>(sw + r1 * (kGroup / 2))[c ^ x];
   }
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
