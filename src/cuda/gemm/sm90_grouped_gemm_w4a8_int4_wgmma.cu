@@ -115,14 +115,18 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
   return int4x4_to_e4m3x4(v & 0x7777u, 0x3210u | ((v >> 1) & 0x4444u));
 }
 
+// The prmt selector that moves bytes 2 tig and 2 tig + 1 of a word pair (lo, hi) to the low half: a
+// thread's 4 K values of one row and K step, in 8 bytes (words x, y or z, w of its 16-byte chunk) that
+// it shares with its quad (one prmt instead of a select and a shift).
+__device__ __forceinline__ uint32_t a_operand_pick(int tig) { return (2 * tig) | ((2 * tig + 1) << 4); }
+
 // The A operand of one stage (both kernels): this thread's int4 weights, rows r0 and r1 of the stage's
 // weight tile at sw (64 bytes a row), as e4m3. K step k (32 K = 16 bytes of a row): the A registers hold
 // K 4 tig..+3 (bytes 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then r1.
-// shift: (tig & 1) * 16, the caller's (computed once per kernel). The weight boxes land with the 64-byte
-// swizzle (wgmma_tma_maps.cu): K step k of row r sits in 16-byte chunk k ^ ((r >> 1) & 3), so a warp's
-// 8 rows (gid) read 8 different bank quads instead of 4-way conflicting ones (rows 128 bytes apart).
-// r1 = r0 + 8 has the same chunk order.
-__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int r1, int tig, int shift,
+// pick: a_operand_pick(tig). The weight boxes land with the 64-byte swizzle (wgmma_tma_maps.cu): K step k
+// of row r sits in 16-byte chunk k ^ ((r >> 1) & 3), so a warp's 8 rows (gid) read 8 different bank quads
+// instead of 4-way conflicting ones (rows 128 bytes apart). r1 = r0 + 8 has the same chunk order.
+__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int r1, uint32_t pick,
                                                 uint32_t (&a)[4][4]) {
   const int x = (r0 >> 1) & 3;
   uint4 w0[4], w1[4];
@@ -133,12 +137,10 @@ __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int r
   }
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const uint32_t lo0 = (tig & 2) ? w0[k].y : w0[k].x, hi0 = (tig & 2) ? w0[k].w : w0[k].z;
-    const uint32_t lo1 = (tig & 2) ? w1[k].y : w1[k].x, hi1 = (tig & 2) ? w1[k].w : w1[k].z;
-    a[k][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
-    a[k][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
-    a[k][2] = int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
-    a[k][3] = int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
+    a[k][0] = int4x4_to_e4m3(prmt(w0[k].x, w0[k].y, pick));
+    a[k][1] = int4x4_to_e4m3(prmt(w1[k].x, w1[k].y, pick));
+    a[k][2] = int4x4_to_e4m3(prmt(w0[k].z, w0[k].w, pick));
+    a[k][3] = int4x4_to_e4m3(prmt(w1[k].z, w1[k].w, pick));
   }
 }
 
@@ -190,14 +192,14 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {gid, gid + 8}.
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + gid, r1 = r0 + 8;
-  const int shift = (tig & 1) * 16;
+  const uint32_t pick = a_operand_pick(tig);
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
 
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
-    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, tig, shift, a);
+    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, pick, a);
   };
   // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
@@ -395,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = (wg - 1) * 64 + (warp & 3) * 16 + gid, r1 = r0 + 8;
-  const int shift = (tig & 1) * 16;
+  const uint32_t pick = wgmma_prefill::a_operand_pick(tig);
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
@@ -404,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t (&out)[4][4]) {
-    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, tig, shift, out);
+    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, pick, out);
   };
 
   GroupedTile t{0, 0, 0, 0};
