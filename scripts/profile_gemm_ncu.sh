@@ -14,7 +14,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n1)
 [[ -n "$NCU" ]] || { echo "ncu not found"; exit 2; }
-bash tests/gpu/build_w4a8_check.sh build/w4a8_check > /dev/null || exit 1
+# QMOE_PROFILE_BIN: a prebuilt check binary (e.g. one of scripts/build_ab_revs.sh's); else built here.
+BIN=${QMOE_PROFILE_BIN:-build/w4a8_check}
+[[ -n "${QMOE_PROFILE_BIN:-}" ]] || bash tests/gpu/build_w4a8_check.sh build/w4a8_check > /dev/null || exit 1
 CASES=${QMOE_PROFILE_CASES:-"1:1:decode_m128_n8_k256 1:256:decode_m128_n16_k256 1:1024:prefill_m128_n64_k128 1:4096:prefill_m128_n128_k128"}
 METRICS=dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
 sm__inst_issued.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,\
@@ -40,7 +42,7 @@ for c in $CASES; do
   if [[ "${QMOE_PROFILE_SOURCE:-0}" == 1 ]]; then
     REP=$(mktemp -d)
     timeout 300 "${NCU_RUN[@]}" --section SourceCounters --section WarpStateStats --import-source no \
-      -f -o "$REP/$name" build/w4a8_check --bench-only > "$REP/$name.log" 2>&1
+      -f -o "$REP/$name" "$BIN" --bench-only > "$REP/$name.log" 2>&1
     echo "ncu rc=$?"
     "$NCU" -i "$REP/$name.ncu-rep" --page source --csv --print-source sass > "$REP/$name.csv" 2> "$REP/$name.err"
     python3 - "$REP/$name.csv" "${QMOE_PROFILE_TOP:-40}" <<'PY' | tee "$OUT/src_$name.txt"
@@ -76,7 +78,7 @@ print("samples by opcode:", ", ".join(f"{k} {100 * v / max(total, 1):.1f}%" for 
 PY
     continue
   fi
-  timeout 300 "${NCU_RUN[@]}" --metrics "$METRICS" --csv build/w4a8_check --bench-only > "$OUT/ncu_$name.csv" 2> "$OUT/ncu_$name.err"
+  timeout 300 "${NCU_RUN[@]}" --metrics "$METRICS" --csv "$BIN" --bench-only > "$OUT/ncu_$name.csv" 2> "$OUT/ncu_$name.err"
   echo "ncu rc=$?"
   # Metric name, unit, value: the last three columns of ncu's --csv rows.
   grep -E '"(dram__|sm__|smsp__|gpu__|l1tex__|lts__)' "$OUT/ncu_$name.csv" | awk -F'","' '{print "  " $(NF-2) " = " $NF " " $(NF-1)}' | tr -d '"'

@@ -120,20 +120,25 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
 // it shares with its quad (one prmt instead of a select and a shift).
 __device__ __forceinline__ uint32_t a_operand_pick(int tig) { return (2 * tig) | ((2 * tig + 1) << 4); }
 
-// The A operand of one stage (both kernels): this thread's int4 weights, rows r0 and r1 of the stage's
+// The A operand of one stage (both kernels): this thread's int4 weights, rows r0 and r0 + 1 of the stage's
 // weight tile at sw (64 bytes a row), as e4m3. K step k (32 K = 16 bytes of a row): the A registers hold
-// K 4 tig..+3 (bytes 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then r1.
-// pick: a_operand_pick(tig). The weight boxes land with the 64-byte swizzle (wgmma_tma_maps.cu): K step k
-// of row r sits in 16-byte chunk k ^ ((r >> 1) & 3), so a warp's 8 rows (gid) read 8 different bank quads
-// instead of 4-way conflicting ones (rows 128 bytes apart). r1 = r0 + 8 has the same chunk order.
-__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int r1, uint32_t pick,
-                                                uint32_t (&a)[4][4]) {
-  const int x = (r0 >> 1) & 3;
+// K 4 tig..+3 (bytes 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then
+// r0 + 1 (the accumulator rows gid and gid + 8: the thread's two features are adjacent, so the epilogue
+// stores them as one pair). pick: a_operand_pick(tig).
+// Layout: the weight boxes land with the 128-byte swizzle (wgmma_tma_maps.cu), rows r0 (even) and r0 + 1
+// share one 128-byte line, and 16-byte chunk q of the line sits at q ^ x, x = (r0 / 2) % 8: chunk k of row
+// r0 at k ^ x, of row r0 + 1 at (k + 4) ^ x. A warp's 8 lines (gid) then read 8 different bank quads.
+__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, uint32_t pick, uint32_t (&a)[4][4]) {
+  const int x = (r0 >> 1) & 7;
+  const uint8_t* line = sw + r0 * (kGroup / 2);
+  const uint8_t* row0 = line + (x & 4) * 16;       // chunk k of row r0: row0 + 16 (k ^ (x & 3))
+  const uint8_t* row1 = line + 64 - (x & 4) * 16;  // ... of row r0 + 1: row1 + 16 (k ^ (x & 3))
   uint4 w0[4], w1[4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    w0[c] = reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2))[c ^ x];
-    w1[c] = reinterpret_cast<const uint4*>(sw + r1 * (kGroup / 2))[c ^ x];
+    const int off = 16 * (c ^ (x & 3));
+    w0[c] = *reinterpret_cast<const uint4*>(row0 + off);
+    w1[c] = *reinterpret_cast<const uint4*>(row1 + off);
   }
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -189,9 +194,9 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
     tma_load_stage<kTileN>(p, boxes, g, smem_u32(stages + (it % kStages) * S::kStageBytes), bar);
   };
 
-  // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {gid, gid + 8}.
+  // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {2 gid, 2 gid + 1}.
   const int gid = lane >> 2, tig = lane & 3;
-  const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + gid, r1 = r0 + 8;
+  const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + 2 * gid, r1 = r0 + 1;
   const uint32_t pick = a_operand_pick(tig);
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
@@ -199,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
 
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
-    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, pick, a);
+    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, pick, a);
   };
   // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
@@ -246,11 +251,11 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
       if constexpr (kAct) {
         // Fused epilogue: park h, then every thread takes (token, feature pair) items. The next step's
         // barrier retires park before the next tile's epilogue writes it.
-        park_tile<kTileN>(p, t, acc, park, r0, r1, tig);
+        park_tile<kTileN>(p, t, acc, park, r0, tig);
         __syncthreads();
         act_requant_items<kTileM, kThreads, kParkStride>(p.act_out, t, park, tid);
       } else {
-        store_tile<OutT, kTileN>(p, t, acc, r0, r1, tig);
+        store_tile<OutT, kTileN>(p, t, acc, r0, tig);
       }
     }
   };
@@ -393,10 +398,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     return;
   }
 
-  // ---- Computing warpgroups: warp w of warpgroup c owns weight rows 64 c + 16 (w % 4) + {gid, gid + 8}.
+  // ---- Computing warpgroups: warp w of warpgroup c owns weight rows 64 c + 16 (w % 4) + {2 gid, 2 gid + 1}.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int gid = lane >> 2, tig = lane & 3;
-  const int r0 = (wg - 1) * 64 + (warp & 3) * 16 + gid, r1 = r0 + 8;
+  const int r0 = (wg - 1) * 64 + (warp & 3) * 16 + 2 * gid, r1 = r0 + 1;
   const uint32_t pick = wgmma_prefill::a_operand_pick(tig);
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
@@ -406,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t (&out)[4][4]) {
-    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, pick, out);
+    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, pick, out);
   };
 
   GroupedTile t{0, 0, 0, 0};
@@ -452,10 +457,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
         // and go on with the next tile; the loading warpgroup writes A2 and s2 from park.
         const int u = tile_index;
         if (u > 0) mbar_wait(park_free, (u - 1) & 1);
-        wgmma::park_tile<TILE_N>(p, t, acc, park, r0, r1, tig);
+        wgmma::park_tile<TILE_N>(p, t, acc, park, r0, tig);
         mbar_arrive(parked);
       } else {
-        wgmma::store_tile<OutT, TILE_N>(p, t, acc, r0, r1, tig);
+        wgmma::store_tile<OutT, TILE_N>(p, t, acc, r0, tig);
       }
     }
   };

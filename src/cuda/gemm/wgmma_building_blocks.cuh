@@ -23,9 +23,9 @@ constexpr int kMaxExperts = kTileListMaxExperts;
 constexpr int kStageW = kTileM * kGroup / 2;   // weights, 128 rows x 64 bytes
 constexpr int kStageS = kTileM * 8;            // scales: packed-4 rows of 8 bytes (packed-1 uses 256 bytes)
 constexpr int kTileStartBytes = (kMaxExperts + 1) * 4 + 32 * 4;  // tile prefix + warp totals
-// The fused epilogue's park: one token's h every kParkStride floats. A warp's park writes cover 8 rows
-// (gid) x 4 token columns 2 tig apart; with a 128-float pitch the 4 columns fall in the same bank
-// (4-way conflicts on every write), with 132 they land 8 banks apart (conflict-free).
+// The fused epilogue's park: one token's h every kParkStride floats. A warp's park writes cover 8 feature
+// pairs (gid) x 4 token columns 2 tig apart; with a 128-float pitch the 4 columns fall in the same banks,
+// with 132 they land 8 banks apart.
 constexpr int kParkStride = kTileM + 4;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -77,29 +77,34 @@ __device__ __forceinline__ void for_each_tile_value(const WgmmaGemmParams& p, co
 }
 
 // The fused activation epilogue's first half (both kernels): this thread's accumulators of tile t
-// into park as h = a_scale(row) * acc, the value the fp32 epilogue stores (__fmul_rn: one rounding,
-// never contracted). Token columns past the tile's rows are not written (act_requant_items reads only
-// t.rows tokens).
+// (features r0 and r0 + 1) into park as h = a_scale(row) * acc, the value the fp32 epilogue stores
+// (__fmul_rn: one rounding, never contracted), one float2 per token. Token columns past the tile's rows
+// are not written (act_requant_items reads only t.rows tokens).
 template <int TILE_N>
 __device__ __forceinline__ void park_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
-                                          float* park, int r0, int r1, int tig) {
+                                          float* park, int r0, int tig) {
   for_each_tile_value<TILE_N>(p, t, acc, tig, [&](int c, float sc, float a0, float a1) {
-    park[c * kParkStride + r0] = __fmul_rn(sc, a0);
-    park[c * kParkStride + r1] = __fmul_rn(sc, a1);
+    *reinterpret_cast<float2*>(park + c * kParkStride + r0) = make_float2(__fmul_rn(sc, a0), __fmul_rn(sc, a1));
   });
 }
 
-// The plain epilogue (both kernels): accumulator (row r, token column c) of tile t ->
-// D[token, feature] = out(a_scale(token) * acc).
+// The plain epilogue (both kernels): accumulators (features r0, r0 + 1; r0 even) of token column c of
+// tile t -> D[token, feature] = out(a_scale(token) * acc), as one paired store where D's rows keep
+// pairs aligned (even N, aligned base), else one store per feature inside N.
 template <class OutT, int TILE_N>
 __device__ __forceinline__ void store_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
-                                           int r0, int r1, int tig) {
-  const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r1 < p.n;
+                                           int r0, int tig) {
+  const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r0 + 1 < p.n;
+  const bool pair = ok1 && p.n % 2 == 0 && reinterpret_cast<uintptr_t>(p.d) % (2 * sizeof(OutT)) == 0;
   for_each_tile_value<TILE_N>(p, t, acc, tig, [&](int c, float sc, float a0, float a1) {
     const int64_t row = t.row0 + c;
-    OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0;
-    if (ok0) store_out(out + r0, sc * a0);
-    if (ok1) store_out(out + r1, sc * a1);
+    OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0 + r0;
+    if (pair) {
+      store_out_pair(out, sc * a0, sc * a1);
+    } else {
+      if (ok0) store_out(out, sc * a0);
+      if (ok1) store_out(out + 1, sc * a1);
+    }
   });
 }
 
