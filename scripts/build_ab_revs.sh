@@ -9,8 +9,8 @@
 #   -> .dev/ab/<name>/chk_<i>_<short sha> and bf16_<i>_<short sha> (i = 0 for the base: device_ab.sh runs
 #      the first binary first and again last, for the noise), plus revs.txt (which binary is which commit).
 # Then on the device: QMOE_AB_CHECK=1 QMOE_AB_T=... bash scripts/device_ab.sh <name>   (carry [".dev/ab/<name>"])
-# Libraries are kept per commit in build/ab_rev/<sha> (a rebuild of the same commit is incremental);
-# a library takes a few minutes on 2 cores. CUTLASS_DIR defaults to .dev/cutlass.
+# One worktree and library build in build/ab_rev/shared, checked out at each revision in turn (incremental
+# rebuilds: only what the revisions change). CUTLASS_DIR defaults to .dev/cutlass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=${1:?usage: build_ab_revs.sh <name> <base rev> <rev> [<rev> ...]}
@@ -25,12 +25,15 @@ i=0
 for rev in "$@"; do
   sha=$(git rev-parse --verify "$rev^{commit}")
   short=${sha:0:8}
-  tree=$ROOT/build/ab_rev/$sha/src
+  # One worktree and build directory for every revision: checking a revision out touches only the files
+  # that differ, so the library rebuilds only what depends on them (a full library is ~10 min on 2 cores).
+  tree=$ROOT/build/ab_rev/shared/src
+  lib=$ROOT/build/ab_rev/shared/lib
   if [[ ! -d "$tree" ]]; then
     mkdir -p "$(dirname "$tree")"
     git worktree add --detach -f "$tree" "$sha" > /dev/null
   fi
-  lib=$ROOT/build/ab_rev/$sha/lib
+  git -C "$tree" checkout -q --detach "$sha"
   if [[ ! -f "$lib/build.ninja" ]]; then
     cmake -S "$tree" -B "$lib" -G Ninja -DQMOE_BUILD_TESTS=OFF -DQMOE_BUILD_PYTHON=OFF -DQMOE_WITH_CUDA_KERNELS=ON \
       -DCUTLASS_DIR="$CUTLASS_DIR" -DCMAKE_BUILD_TYPE=Release > /dev/null

@@ -115,37 +115,32 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
   return int4x4_to_e4m3x4(v & 0x7777u, 0x3210u | ((v >> 1) & 0x4444u));
 }
 
-// The prmt selector that moves bytes 2 tig and 2 tig + 1 of a word pair (lo, hi) to the low half: a
-// thread's 4 K values of one row and K step, in 8 bytes (words x, y or z, w of its 16-byte chunk) that
-// it shares with its quad (one prmt instead of a select and a shift).
-__device__ __forceinline__ uint32_t a_operand_pick(int tig) { return (2 * tig) | ((2 * tig + 1) << 4); }
-
 // The A operand of one stage (both kernels): this thread's int4 weights, rows r0 and r0 + 1 of the stage's
 // weight tile at sw (64 bytes a row), as e4m3. K step k (32 K = 16 bytes of a row): the A registers hold
 // K 4 tig..+3 (bytes 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then
 // r0 + 1 (the accumulator rows gid and gid + 8: the thread's two features are adjacent, so the epilogue
-// stores them as one pair). pick: a_operand_pick(tig).
-// Layout: the weight boxes land with the 128-byte swizzle (wgmma_tma_maps.cu), rows r0 (even) and r0 + 1
-// share one 128-byte line, and 16-byte chunk q of the line sits at q ^ x, x = (r0 / 2) % 8: chunk k of row
-// r0 at k ^ x, of row r0 + 1 at (k + 4) ^ x. A warp's 8 lines (gid) then read 8 different bank quads.
-__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, uint32_t pick, uint32_t (&a)[4][4]) {
-  const int x = (r0 >> 1) & 7;
-  const uint8_t* line = sw + r0 * (kGroup / 2);
-  const uint8_t* row0 = line + (x & 4) * 16;       // chunk k of row r0: row0 + 16 (k ^ (x & 3))
-  const uint8_t* row1 = line + 64 - (x & 4) * 16;  // ... of row r0 + 1: row1 + 16 (k ^ (x & 3))
+// stores them as one pair). shift: (tig & 1) * 16, the caller's (computed once per kernel).
+// The weight boxes land with the 64-byte swizzle (wgmma_tma_maps.cu): K step k of row r sits in 16-byte
+// chunk k ^ ((r >> 1) & 3); rows r0 (even) and r0 + 1 share the order. (A warp's 8 rows 2 gid then fall
+// on 4 bank quads, 2-way conflicts; session 15 measured no cost from them: the A/B with rows gid and
+// no conflicts was within noise of the unswizzled 4-way conflicts.)
+__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int tig, int shift, uint32_t (&a)[4][4]) {
+  const int x = (r0 >> 1) & 3;
+  const uint4* row0 = reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2));
   uint4 w0[4], w1[4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    const int off = 16 * (c ^ (x & 3));
-    w0[c] = *reinterpret_cast<const uint4*>(row0 + off);
-    w1[c] = *reinterpret_cast<const uint4*>(row1 + off);
+    w0[c] = row0[c ^ x];
+    w1[c] = row0[4 + (c ^ x)];  // row r0 + 1
   }
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    a[k][0] = int4x4_to_e4m3(prmt(w0[k].x, w0[k].y, pick));
-    a[k][1] = int4x4_to_e4m3(prmt(w1[k].x, w1[k].y, pick));
-    a[k][2] = int4x4_to_e4m3(prmt(w0[k].z, w0[k].w, pick));
-    a[k][3] = int4x4_to_e4m3(prmt(w1[k].z, w1[k].w, pick));
+    const uint32_t lo0 = (tig & 2) ? w0[k].y : w0[k].x, hi0 = (tig & 2) ? w0[k].w : w0[k].z;
+    const uint32_t lo1 = (tig & 2) ? w1[k].y : w1[k].x, hi1 = (tig & 2) ? w1[k].w : w1[k].z;
+    a[k][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
+    a[k][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
+    a[k][2] = int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
+    a[k][3] = int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
   }
 }
 
@@ -197,14 +192,14 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {2 gid, 2 gid + 1}.
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + 2 * gid, r1 = r0 + 1;
-  const uint32_t pick = a_operand_pick(tig);
+  const int shift = (tig & 1) * 16;
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
 
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
-    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, pick, a);
+    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, shift, a);
   };
   // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
@@ -402,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = (wg - 1) * 64 + (warp & 3) * 16 + 2 * gid, r1 = r0 + 1;
-  const uint32_t pick = wgmma_prefill::a_operand_pick(tig);
+  const int shift = (tig & 1) * 16;
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
@@ -411,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t (&out)[4][4]) {
-    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, pick, out);
+    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, shift, out);
   };
 
   GroupedTile t{0, 0, 0, 0};

@@ -26,7 +26,7 @@ namespace qmoe::cuda {
 template <class Base>
 struct WithTmaMaps : Base {
   CUtensorMap act_map;     // A as [R rows, K bytes]: boxes of TILE_N tokens x 128 bytes, 128-byte swizzle
-  CUtensorMap weight_map;  // B as [E * N rows, K / 2 bytes]: boxes of 64 rows x 64 bytes, 128-byte swizzle
+  CUtensorMap weight_map;  // B as [E * N rows, K / 2 bytes]: boxes of 64 rows x 64 bytes, 64-byte swizzle
   CUtensorMap scale_map;   // scales [E * K/512 rows, N x int64 (4 bf16)] or [E * K/128, N x bf16]: 64 per box
 };
 using WgmmaTmaParams = WithTmaMaps<WgmmaGemmParams>;

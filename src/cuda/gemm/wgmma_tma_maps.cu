@@ -60,7 +60,7 @@ WithTmaMaps<Base> tma_params(const Base& params, int64_t rows, int tile_n) {
   tp.act_map = matrix_map(params.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, params.k, tile_n, kGroup,
                           CU_TENSOR_MAP_SWIZZLE_128B);
   tp.weight_map = matrix_map(params.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * params.n, params.k / 2, kHalf,
-                             kGroup / 2, CU_TENSOR_MAP_SWIZZLE_128B);
+                             kGroup / 2, CU_TENSOR_MAP_SWIZZLE_64B);
   tp.scale_map = params.scales_packed4
                      ? matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_INT64, 8, experts * (params.k / 512),
                                   params.n, 1, kHalf, CU_TENSOR_MAP_SWIZZLE_NONE)
