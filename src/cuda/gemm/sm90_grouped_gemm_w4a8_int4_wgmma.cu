@@ -62,7 +62,7 @@ struct Shape {
   static constexpr int kStageA = TILE_N * kGroup;         // activations, TILE_N rows x 128 bytes
   static constexpr int kStageBytes = kStageA + kStageW + kStageS;
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
-  static constexpr int kBarrierBytes = 2 * kStages * 8;  // the "full" and "empty" mbarriers
+  static constexpr int kBarrierBytes = kStages * 8;  // the "full" mbarriers
   // park: 16-byte aligned (float2 reads), after the work list; the plain kernels have none.
   static constexpr int kParkOffset = (kStages * kStageBytes + kBarrierBytes + kTileStartBytes + 15) / 16 * 16;
   static constexpr int kParkBytes = kAct ? 16 + TILE_N * kParkStride * 4 : 0;
@@ -157,18 +157,13 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   uint8_t* smem = align_1024(smem_raw);  // the swizzled activation tiles need 1024-byte alignment
   uint8_t* stages = smem;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * S::kStageBytes);
-  uint64_t* empty = full + kStages;
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem + kStages * S::kStageBytes + S::kBarrierBytes);
   int32_t* warp_total = tile_start + kMaxExperts + 1;
   [[maybe_unused]] float* park = reinterpret_cast<float*>(smem + S::kParkOffset);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);          // thread 0's arrival + the boxes' bytes
-      mbar_init(&empty[s], kThreads);  // every thread, once its wgmmas on the stage are done
-    }
-  }
+  if (tid == 0)
+    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1);  // thread 0's arrival + the boxes' bytes
   const int E = p.num_experts;
   const int n_tiles = (p.n + kTileM - 1) / kTileM;
   const int groups = p.k / kGroup;
@@ -209,31 +204,15 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
 
-  // Refills (thread 0, at the top of step it): load iteration `issued` into its slot once both warpgroups
-  // are done with the slot's previous iteration (its "empty" phase completed), as far ahead as free slots
-  // allow (issued < it + kStages: thread 0's own arrival for issued - kStages is behind it). Only the
-  // iterations this thread waits for next (<= it + 1) are waited for; later ones are skipped while the
-  // other warpgroup still uses their slot, and tried again one step later. (Session 15: a __syncthreads
-  // per step here tied the two warpgroups together; ncu put 18% of the 64-token tile's stalls on it.)
-  int issued = 0;
-  auto refill = [&](int it) {
-    while (issued < total_iters && issued < it + kStages) {
-      if (issued >= kStages) {
-        uint64_t* bar = &empty[issued % kStages];
-        const int parity = ((issued - kStages) / kStages) & 1;
-        if (!mbar_test(bar, parity)) {
-          if (issued > it + 1) break;
-          mbar_wait(bar, parity);
-        }
-      }
-      issue_loads(issued++);
-    }
-  };
+  if (tid == 0)
+    for (int s = 0; s < kStages - 1 && s < total_iters; ++s) issue_loads(s);
   TileStep step_at;  // the group and tile the next step computes
   // One K group. kOverlapConvert: stage it + 1 is awaited with stage it, and its weights become
   // `a_next` while stage it's wgmmas (on `a`, converted one step earlier) run.
   auto step = [&](int it, uint32_t(&a)[4][4], uint32_t(&a_next)[4][4]) {
-    if (tid == 0) refill(it);
+    // Every thread is past step it - 1: the stage it used may be refilled.
+    __syncthreads();
+    if (tid == 0 && it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
     if (kOverlapConvert && it + 1 < total_iters) wait_full(it + 1);
     if (!kOverlapConvert) wait_full(it);
 
@@ -253,7 +232,6 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
     if (kOverlapConvert && it + 1 < total_iters) convert(it + 1, a_next);
     wgmma_wait_all();
     fence_operands(part);
-    mbar_arrive(&empty[it % kStages]);  // done with stage it (its scales were read before: release order)
     // Group promotion (fp32 FMA with the bf16 scale of the row, g increasing).
 #pragma unroll
     for (int j = 0; j < kTileN / 8; ++j) {
@@ -266,12 +244,11 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
     if (g == groups - 1) {
       const GroupedTile t = tiles[tile_index];
       if constexpr (kAct) {
-        // Fused epilogue: park h, then every thread takes (token, feature pair) items; the second
+        // Fused epilogue: park h, then every thread takes (token, feature pair) items. The next step's
         // barrier retires park before the next tile's epilogue writes it.
         park_tile<kTileN>(p, t, acc, park, r0, tig);
         __syncthreads();
         act_requant_items<kTileM, kThreads, kParkStride>(p.act_out, t, park, tid);
-        __syncthreads();
       } else {
         store_tile<OutT, kTileN>(p, t, acc, r0, tig);
       }
@@ -279,7 +256,6 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   };
   // Two A buffers, swapped by unrolling two steps (a runtime index would put them in local memory).
   uint32_t a_even[4][4], a_odd[4][4];
-  if (tid == 0) refill(0);  // the first kStages iterations (fresh slots)
   if constexpr (kOverlapConvert) {
     wait_full(0);
     convert(0, a_even);
