@@ -119,28 +119,20 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
 // weight tile at sw (64 bytes a row), as e4m3. K step k (32 K = 16 bytes of a row): the A registers hold
 // K 4 tig..+3 (bytes 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then
 // r0 + 1 (the accumulator rows gid and gid + 8: the thread's two features are adjacent, so the epilogue
-// stores them as one pair). shift: (tig & 1) * 16, the caller's (computed once per kernel).
+// stores them as one pair). Each 16-bit piece is its own 2-byte load: the conversion's ALU pipe (the
+// kernels' busiest, ncu) gets no extraction shifts and selects.
 // The weight boxes land with the 64-byte swizzle (wgmma_tma_maps.cu): K step k of row r sits in 16-byte
-// chunk k ^ ((r >> 1) & 3); rows r0 (even) and r0 + 1 share the order. (A warp's 8 rows 2 gid then fall
-// on 4 bank quads, 2-way conflicts; session 15 measured no cost from them: the A/B with rows gid and
-// no conflicts was within noise of the unswizzled 4-way conflicts.)
-__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int tig, int shift, uint32_t (&a)[4][4]) {
+// chunk k ^ ((r >> 1) & 3); rows r0 (even) and r0 + 1 share the order.
+__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int tig, uint32_t (&a)[4][4]) {
   const int x = (r0 >> 1) & 3;
-  const uint4* row0 = reinterpret_cast<const uint4*>(sw + r0 * (kGroup / 2));
-  uint4 w0[4], w1[4];
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    w0[c] = row0[c ^ x];
-    w1[c] = row0[4 + (c ^ x)];  // row r0 + 1
-  }
+  const uint8_t* row0 = sw + r0 * (kGroup / 2) + 2 * tig;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const uint32_t lo0 = (tig & 2) ? w0[k].y : w0[k].x, hi0 = (tig & 2) ? w0[k].w : w0[k].z;
-    const uint32_t lo1 = (tig & 2) ? w1[k].y : w1[k].x, hi1 = (tig & 2) ? w1[k].w : w1[k].z;
-    a[k][0] = int4x4_to_e4m3((lo0 >> shift) & 0xFFFFu);
-    a[k][1] = int4x4_to_e4m3((lo1 >> shift) & 0xFFFFu);
-    a[k][2] = int4x4_to_e4m3((hi0 >> shift) & 0xFFFFu);
-    a[k][3] = int4x4_to_e4m3((hi1 >> shift) & 0xFFFFu);
+    const uint8_t* chunk = row0 + 16 * (k ^ x);
+    a[k][0] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk));
+    a[k][1] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk + 64));  // row r0 + 1
+    a[k][2] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk + 8));
+    a[k][3] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk + 72));
   }
 }
 
@@ -192,14 +184,13 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {2 gid, 2 gid + 1}.
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + 2 * gid, r1 = r0 + 1;
-  const int shift = (tig & 1) * 16;
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
 
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
-    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, shift, a);
+    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, a);
   };
   // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
@@ -397,7 +388,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = (wg - 1) * 64 + (warp & 3) * 16 + 2 * gid, r1 = r0 + 1;
-  const int shift = (tig & 1) * 16;
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
@@ -406,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t (&out)[4][4]) {
-    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, shift, out);
+    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, out);
   };
 
   GroupedTile t{0, 0, 0, 0};
