@@ -89,22 +89,15 @@ __device__ __forceinline__ void park_tile(const WgmmaGemmParams& p, const Groupe
 }
 
 // The plain epilogue (both kernels): accumulators (features r0, r0 + 1; r0 even) of token column c of
-// tile t -> D[token, feature] = out(a_scale(token) * acc), as one paired store where D's rows keep
-// pairs aligned (even N, aligned base), else one store per feature inside N.
+// tile t -> D[token, feature] = out(a_scale(token) * acc), one paired store per token. The op's limits
+// (N % 8 == 0, 16-byte aligned D) keep the pair inside N and aligned.
 template <class OutT, int TILE_N>
 __device__ __forceinline__ void store_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
                                            int r0, int tig) {
-  const bool ok0 = t.n0 + r0 < p.n, ok1 = t.n0 + r0 + 1 < p.n;
-  const bool pair = ok1 && p.n % 2 == 0 && reinterpret_cast<uintptr_t>(p.d) % (2 * sizeof(OutT)) == 0;
+  const bool ok = t.n0 + r0 < p.n;
   for_each_tile_value<TILE_N>(p, t, acc, tig, [&](int c, float sc, float a0, float a1) {
-    const int64_t row = t.row0 + c;
-    OutT* out = static_cast<OutT*>(p.d) + row * p.n + t.n0 + r0;
-    if (pair) {
-      store_out_pair(out, sc * a0, sc * a1);
-    } else {
-      if (ok0) store_out(out, sc * a0);
-      if (ok1) store_out(out + 1, sc * a1);
-    }
+    OutT* out = static_cast<OutT*>(p.d) + (t.row0 + c) * int64_t{p.n} + t.n0 + r0;
+    if (ok) store_out_pair(out, sc * a0, sc * a1);
   });
 }
 
