@@ -110,20 +110,12 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[TILE_N / 2], uint32_t a0, u
   else wgmma_m64n32k32(d, a0, a1, a2, a3, desc_b, accumulate);
 }
 
-// Four int4 (nibble i of v = K index i) -> four e4m3 bytes (byte i), exact. The lookup's index (low 3
-// bits of each nibble) and selector (bit 3 moved to bit 2, | 0x3210) are built mostly on the FMA pipe:
-// the ALU pipe, which the byte permutes keep busy, bounds the WGMMA kernels (design.md 6.2). m: the
-// multipliers {2^31, -2, 1}, hidden from constant folding (else ptxas turns them back into shifts and
-// adds): s2 = high word of v * 2^31 (= v >> 1) & 0x4444 (IMAD.HI + LOP3), index = v - 2 s2 (IMAD),
-// selector = s2 + 0x3210 (IMAD; the bits are disjoint).
-struct ConvertMul {
-  uint32_t half, minus2, one;
-};
-__device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v, const ConvertMul& m) {
-  const uint32_t s2 = __umulhi(v, m.half) & 0x4444u;
-  return int4x4_to_e4m3x4(v + s2 * m.minus2, s2 * m.one + 0x3210u);
+// Four int4 (nibble i of v = K index i) -> four e4m3 bytes (byte i), exact. half: 2^31, from the caller
+// (opaque to the compiler): v >> 1 as the high word of v * 2^31, an IMAD.HI on the FMA pipe instead of a
+// shift on the ALU pipe, which the conversion's byte permutes and masks keep busy.
+__device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v, uint32_t half) {
+  return int4x4_to_e4m3x4(v & 0x7777u, 0x3210u | (__umulhi(v, half) & 0x4444u));
 }
-
 // x, hidden from constant folding (else ptxas turns the multiply back into a shift).
 __device__ __forceinline__ uint32_t opaque_u32(uint32_t x) {
   asm volatile("mov.b32 %0, %0;" : "+r"(x));
@@ -138,7 +130,7 @@ __device__ __forceinline__ uint32_t opaque_u32(uint32_t x) {
 // kernels' busiest, ncu) gets no extraction shifts and selects.
 // The weight boxes land with the 64-byte swizzle (wgmma_tma_maps.cu): K step k of row r sits in 16-byte
 // chunk k ^ ((r >> 1) & 3); rows r0 (even) and r0 + 1 share the order.
-__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int tig, const ConvertMul& half, uint32_t (&a)[4][4]) {
+__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int tig, uint32_t half, uint32_t (&a)[4][4]) {
   const int x = (r0 >> 1) & 3;
   const uint8_t* row0 = sw + r0 * (kGroup / 2) + 2 * tig;
 #pragma unroll
@@ -199,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {2 gid, 2 gid + 1}.
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + 2 * gid, r1 = r0 + 1;
-  const ConvertMul half{opaque_u32(0x80000000u), opaque_u32(0xFFFFFFFEu), opaque_u32(1u)};
+  const uint32_t half = opaque_u32(0x80000000u);
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
@@ -404,8 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = (wg - 1) * 64 + (warp & 3) * 16 + 2 * gid, r1 = r0 + 1;
-  const wgmma_prefill::ConvertMul half{wgmma_prefill::opaque_u32(0x80000000u), wgmma_prefill::opaque_u32(0xFFFFFFFEu),
-                                      wgmma_prefill::opaque_u32(1u)};
+  const uint32_t half = wgmma_prefill::opaque_u32(0x80000000u);
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
