@@ -110,16 +110,9 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[TILE_N / 2], uint32_t a0, u
   else wgmma_m64n32k32(d, a0, a1, a2, a3, desc_b, accumulate);
 }
 
-// Four int4 (nibble i of v = K index i) -> four e4m3 bytes (byte i), exact. half: 2^31, from the caller
-// (opaque to the compiler): v >> 1 as the high word of v * 2^31, an IMAD.HI on the FMA pipe instead of a
-// shift on the ALU pipe, which the conversion's byte permutes and masks keep busy.
-__device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v, uint32_t half) {
-  return int4x4_to_e4m3x4(v & 0x7777u, 0x3210u | (__umulhi(v, half) & 0x4444u));
-}
-// x, hidden from constant folding (else ptxas turns the multiply back into a shift).
-__device__ __forceinline__ uint32_t opaque_u32(uint32_t x) {
-  asm volatile("mov.b32 %0, %0;" : "+r"(x));
-  return x;
+// Four int4 (nibble i of v = K index i) -> four e4m3 bytes (byte i), exact.
+__device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
+  return int4x4_to_e4m3x4(v & 0x7777u, 0x3210u | ((v >> 1) & 0x4444u));
 }
 
 // The A operand of one stage (both kernels): this thread's int4 weights, rows r0 and r0 + 1 of the stage's
@@ -130,16 +123,16 @@ __device__ __forceinline__ uint32_t opaque_u32(uint32_t x) {
 // kernels' busiest, ncu) gets no extraction shifts and selects.
 // The weight boxes land with the 64-byte swizzle (wgmma_tma_maps.cu): K step k of row r sits in 16-byte
 // chunk k ^ ((r >> 1) & 3); rows r0 (even) and r0 + 1 share the order.
-__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int tig, uint32_t half, uint32_t (&a)[4][4]) {
+__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int tig, uint32_t (&a)[4][4]) {
   const int x = (r0 >> 1) & 3;
   const uint8_t* row0 = sw + r0 * (kGroup / 2) + 2 * tig;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const uint8_t* chunk = row0 + 16 * (k ^ x);
-    a[k][0] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk), half);
-    a[k][1] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk + 64), half);  // row r0 + 1
-    a[k][2] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk + 8), half);
-    a[k][3] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk + 72), half);
+    a[k][0] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk));
+    a[k][1] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk + 64));  // row r0 + 1
+    a[k][2] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk + 8));
+    a[k][3] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk + 72));
   }
 }
 
@@ -191,14 +184,13 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {2 gid, 2 gid + 1}.
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + 2 * gid, r1 = r0 + 1;
-  const uint32_t half = opaque_u32(0x80000000u);
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
 
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
-    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, half, a);
+    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, a);
   };
   // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
@@ -396,7 +388,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = (wg - 1) * 64 + (warp & 3) * 16 + 2 * gid, r1 = r0 + 1;
-  const uint32_t half = wgmma_prefill::opaque_u32(0x80000000u);
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
@@ -405,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   auto convert = [&](int it, uint32_t (&out)[4][4]) {
-    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, half, out);
+    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, out);
   };
 
   GroupedTile t{0, 0, 0, 0};
