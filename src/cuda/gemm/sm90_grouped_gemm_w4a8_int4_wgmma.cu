@@ -56,7 +56,7 @@ struct Shape {
   // (two CTAs still fit). With the overlapped conversion one stage ahead is landed, the rest in flight.
   // 32-token tiles (13 KB stages, chosen at 20-26 rows per expert: weight streaming): 8 stages, more
   // bytes in flight per SM; 6 with the park, so that two CTAs still fit.
-  static constexpr int kStages = TILE_N == 32 ? (kAct ? 6 : 8) : kAct ? 4 : 6;
+  static constexpr int kStages = TILE_N == 32 ? (kAct ? 6 : 8) : kAct ? 4 : 5;
   static_assert(kStages >= 3, "the overlapped conversion needs stage it + 1 landed while it + 2.. load");
   static constexpr int kAcc = TILE_N / 2;                 // fp32 accumulator registers per thread
   static constexpr int kStageA = TILE_N * kGroup;         // activations, TILE_N rows x 128 bytes
