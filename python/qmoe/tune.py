@@ -370,7 +370,8 @@ def fused_moe_candidates(num_tokens: int, hidden: int, inter: int, gated: bool, 
 # The W4A8 GEMM's WGMMA tiles (src/tune/tactics.cpp) sum the fp32 products in another order than its
 # mma.sync tiles, so their outputs differ in the last bits; all tactics of one family give the same bits
 # (measured: tests/python/test_gpu_reliability_runtime.py). The bf16 x 4-bit GEMM is one family.
-WGMMA_TACTICS = frozenset({"prefill_m128_n128_k128", "prefill_m128_n64_k128", "prefill_m128_n32_k128"})
+WGMMA_TACTICS = frozenset({"prefill_m128_n160_k128", "prefill_m128_n128_k128", "prefill_m128_n64_k128",
+                           "prefill_m128_n32_k128"})
 
 
 def mma_family(tactic: str, quant_mode: str) -> str:

@@ -11,6 +11,8 @@
 // Names: {family}_m{weight rows}_n{tokens}_k{K per pipeline stage}.
 // The per-expert row count lives on the device only, so the host estimates it as
 // ceil(total_rows / num_experts) (total_rows = tokens * topk for SGLang's layout).
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -53,6 +55,9 @@ const std::vector<Tactic>& compiled() {
       make(Family::kPrefill, 128, 64, 256),
       // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
       make(Family::kPrefill, 128, 128, 128),
+      // WGMMA with 160-token tiles (the same kernel, m64n160k32): chosen above 48 rows per expert where
+      // its expected tile count wins (wgmma_n160_pays).
+      make(Family::kPrefill, 128, 160, 128),
       // WGMMA with 64-token tiles (two CTAs per SM): chosen for 27-48 rows per expert.
       make(Family::kPrefill, 128, 64, 128),
       // WGMMA with 32-token tiles (the 64-token kernel with 8 stages): chosen for 20-26 rows per expert.
@@ -161,7 +166,32 @@ constexpr int64_t kBf16N32MaxRowsOneWave = 28;
 // was built for it and measured 1.4-9x slower everywhere, then removed: design.md 6.2).
 constexpr int64_t kHopperSms = 132;
 
+// 160- vs 128-token WGMMA tiles (H200, bench/results/2026-12-01_s15c_*): a 160-token tile costs ~1.18x a
+// 128-token one (5.6% less per token: the weights' conversion serves 25% more tokens). Which wins is the
+// expected number of token tiles per expert: with uniform routing an expert's rows are ~ normal with mean
+// mu = rows / E and variance mu (1 - 1 / E), and an expert of r rows takes ceil(r / TILE_N) tiles. At
+// mu = 128 the 128-token tile needs 1.5 tiles on average (half the experts pass 128 rows), the 160-token
+// one 1.0: measured 1.21-1.27x faster (DeepSeek-V3 T = 4096, Qwen3 T = 2048), predicted 1.27x; at mu = 512
+// the 128-token tile needs 4.5, the 160-token one 4.0 (x 1.18 = 4.72): measured 1.04-1.07x slower,
+// predicted 1.05x; at mu = 64 both need 1 tile (160 measured 1.16x slower).
+constexpr double kWgmmaN160TileCost = 1.18;
+
 namespace {
+// E[ceil(r / tile)] for r ~ normal(mu, sigma^2) clipped at 0: the sum over j >= 0 of P(r > j tile); the
+// terms more than 8 sigma below mu are 1.
+double expected_token_tiles(double mu, double sigma, int tile) {
+  if (sigma <= 0) return std::ceil(mu / tile);
+  const double first = std::floor(std::max(0.0, mu - 8 * sigma) / tile);
+  double tiles = first;
+  for (double j = first; j * tile < mu + 8 * sigma; j += 1)
+    tiles += 0.5 * std::erfc((j * tile - mu) / (sigma * std::sqrt(2.0)));
+  return tiles;
+}
+// Whether the 160-token WGMMA tile beats the 128-token one at mu rows per expert (of `experts`).
+bool wgmma_n160_pays(double mu, int64_t experts) {
+  const double sigma = std::sqrt(mu * (1.0 - 1.0 / static_cast<double>(experts)));
+  return kWgmmaN160TileCost * expected_token_tiles(mu, sigma, 160) < expected_token_tiles(mu, sigma, 128);
+}
 // Feature tiles of 128 weight rows per expert.
 int64_t feature_tiles(int64_t n) { return (n + 127) / 128; }
 // The 128-row tiles of `experts` experts fit in one wave of two CTAs per SM (the n24 / n32 tiles' occupancy).
@@ -211,7 +241,9 @@ Tactic select_tactic(const GemmProblem& problem) {
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {
     t = make(Family::kPrefill, 128, 64, 128);  // WGMMA, 64-token tiles, two CTAs per SM
   } else {
-    t = make(Family::kPrefill, 128, 128, 128);  // WGMMA, 128-token tiles
+    const double mu = static_cast<double>(rows) / static_cast<double>(experts);
+    t = wgmma_n160_pays(mu, experts) ? make(Family::kPrefill, 128, 160, 128)   // WGMMA, 160-token tiles
+                                     : make(Family::kPrefill, 128, 128, 128);  // WGMMA, 128-token tiles
   }
   if (log_enabled()) {
     static std::mutex mutex;

@@ -11,8 +11,9 @@
 // by the tensor cores from shared memory (B operand, K-major, 128-byte swizzle). One pipeline stage
 // is one K group: 16 KB of activations, 8 KB of weights, the tile's scales, loaded STAGES ahead, across
 // tile boundaries. Two kernels (same math, same bits):
-//   wgmma_ws       128-token tiles: warp-specialized, a loading warpgroup (per-stage mbarriers) and two
-//                  computing warpgroups that run out of step, 6 stages;
+//   wgmma_ws       128- and 160-token tiles (m64n128k32 / m64n160k32): warp-specialized, a loading
+//                  warpgroup (per-stage mbarriers) and two computing warpgroups that run out of step,
+//                  6 stages; the 160-token tile has no fused activation epilogue (its park would not fit);
 //   wgmma_prefill  64- and 32-token tiles (wgmma m64n64k32 / m64n32k32), for experts with fewer rows: all
 //                  warps compute in step, two CTAs per SM.
 // Both load a stage by TMA from one thread: the activation box, the weights and the scales as two 64-row
@@ -72,6 +73,16 @@ struct Shape {
   static_assert(TILE_N == 128 || 2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs per SM (+ 1 KB reserved each)");
 };
 
+// d (64 x 160 fp32 per warpgroup) (+)= A (64 x 32 e4m3, registers) * B^T (160 x 32 e4m3, smem).
+__device__ __forceinline__ void wgmma_m64n160k32(float (&d)[80], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                 uint32_t a3, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %85, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n160k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, {%80, %81, %82, %83}, %84, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(accumulate));
+}
+
 // d (64 x 128 fp32 per warpgroup) (+)= A (64 x 32 e4m3, registers) * B^T (128 x 32 e4m3, smem).
 __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
                                                  uint32_t a3, uint64_t desc_b, int accumulate) {
@@ -105,7 +116,8 @@ __device__ __forceinline__ void wgmma_m64n32k32(float (&d)[16], uint32_t a0, uin
 template <int TILE_N>
 __device__ __forceinline__ void wgmma_k32(float (&d)[TILE_N / 2], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                           uint64_t desc_b, int accumulate) {
-  if constexpr (TILE_N == 128) wgmma_m64n128k32(d, a0, a1, a2, a3, desc_b, accumulate);
+  if constexpr (TILE_N == 160) wgmma_m64n160k32(d, a0, a1, a2, a3, desc_b, accumulate);
+  else if constexpr (TILE_N == 128) wgmma_m64n128k32(d, a0, a1, a2, a3, desc_b, accumulate);
   else if constexpr (TILE_N == 64) wgmma_m64n64k32(d, a0, a1, a2, a3, desc_b, accumulate);
   else wgmma_m64n32k32(d, a0, a1, a2, a3, desc_b, accumulate);
 }
@@ -281,8 +293,9 @@ struct Shape {
   static constexpr int kStageA = TILE_N * kGroup;
   static constexpr int kStageBytes = kStageA + kStageW + kStageS;
   // 128-token tiles: 6 stages (H200, bench/results/2026-11-30_s5a_*: 1-4% faster than 8 at T = 4096, the
-  // same at 256-1024); 64-token tiles: 12.
-  static constexpr int kStages = TILE_N == 128 ? 6 : 12;
+  // same at 256-1024); 160-token tiles: 6 (29 KB each); 64-token tiles: 12.
+  static_assert(TILE_N == 64 || TILE_N == 128 || (TILE_N == 160 && !kAct), "wgmma N; no park for 160 tokens");
+  static constexpr int kStages = TILE_N >= 128 ? 6 : 12;
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
   static constexpr int kBarrierBytes = 2 * kStages * 8;
   static constexpr int kParkOffset = (kStages * kStageBytes + kBarrierBytes + kTileStartBytes + 15) / 16 * 16;
@@ -476,7 +489,7 @@ template <class OutT, int TILE_N, class Base>
 void launch_typed(const Base& params, int64_t rows, cudaStream_t stream) {
   const auto tp = tma_params(params, rows, TILE_N);
   constexpr bool kAct = kActOut<OutT>;
-  if constexpr (TILE_N == 128) {
+  if constexpr (TILE_N >= 128) {
     launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, kAct>::kSmemBytes,
                                                       stream, tp, "w4a8 wgmma prefill");
   } else {
@@ -489,14 +502,15 @@ void launch_typed(const Base& params, int64_t rows, cudaStream_t stream) {
 
 void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int tile_n, bool fp32_out,
                                cudaStream_t stream) {
-  QMOE_CHECK_ARG(tile_n == 32 || tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 32, 64 or 128",
-                 std::to_string(tile_n));
+  QMOE_CHECK_ARG(tile_n == 32 || tile_n == 64 || tile_n == 128 || tile_n == 160, "tactic",
+                 "a WGMMA token tile of 32, 64, 128 or 160", std::to_string(tile_n));
   auto launch = [&](auto tile) {
     constexpr int kTileN = decltype(tile)::value;
     if (fp32_out) launch_typed<float, kTileN>(params, rows, stream);
     else launch_typed<__nv_bfloat16, kTileN>(params, rows, stream);
   };
-  if (tile_n == 128) launch(std::integral_constant<int, 128>{});
+  if (tile_n == 160) launch(std::integral_constant<int, 160>{});
+  else if (tile_n == 128) launch(std::integral_constant<int, 128>{});
   else if (tile_n == 64) launch(std::integral_constant<int, 64>{});
   else launch(std::integral_constant<int, 32>{});
 }
