@@ -131,8 +131,8 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
 // weight tile at sw (64 bytes a row), as e4m3. K step k (32 K = 16 bytes of a row): the A registers hold
 // K 4 tig..+3 (bytes 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then
 // r0 + 1 (the accumulator rows gid and gid + 8: the thread's two features are adjacent, so the epilogue
-// stores them as one pair). Each 16-bit piece is its own 2-byte load: the conversion's ALU pipe (the
-// kernels' busiest, ncu) gets no extraction shifts and selects.
+// stores them as one pair). Each 16-bit piece is its own 2-byte load: no extraction shift and select in
+// the conversion chain (1-4% faster, bench/results/2026-12-01_s15b_*).
 // The weight boxes land with the 64-byte swizzle (wgmma_tma_maps.cu): K step k of row r sits in 16-byte
 // chunk k ^ ((r >> 1) & 3); rows r0 (even) and r0 + 1 share the order.
 __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int tig, uint32_t (&a)[4][4]) {
