@@ -39,7 +39,7 @@
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/gemm/k_warps.cuh"
 #include "cuda/gemm/sm90_grouped_gemm_bf16_w4.h"
-#include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"  // cp.async helpers, store_pair, swizzle_b
+#include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"  // cp.async helpers, store_fragments, swizzle_b
 #include "cuda/common/pdl.cuh"
 
 namespace qmoe::cuda {

@@ -64,6 +64,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/common/int4_to_f16.cuh"
+#include "cuda/common/store_out.cuh"
 #include "cuda/fused/activation_math.cuh"
 #include "cuda/gemm/act_requant_items.cuh"
 #include "cuda/gemm/w4a8_act_requant.h"
@@ -159,17 +160,6 @@ struct Config {
   static_assert(kStageB % 128 == 0 && kStageA % 128 == 0 && kStageS % 128 == 0, "stages keep 128-byte alignment");
 };
 
-// Two adjacent output features of one row (n even, so the 4- or 8-byte store is aligned).
-__device__ __forceinline__ void store_pair(__nv_bfloat16* d, float lo, float hi) {
-  __nv_bfloat162 out;
-  out.x = __float2bfloat16_rn(lo);
-  out.y = __float2bfloat16_rn(hi);
-  *reinterpret_cast<__nv_bfloat162*>(d) = out;
-}
-__device__ __forceinline__ void store_pair(float* d, float lo, float hi) {
-  *reinterpret_cast<float2*>(d) = make_float2(lo, hi);
-}
-
 // Epilogue of the swap-AB mma.sync tiles (this kernel and the bf16 x 4-bit one): one warp's MF x NF
 // fragments (16 weight rows x 8 tokens each) of tile t go to D[row, n] = scaled(row, pre * acc) for
 // the valid (token, n), then acc is zeroed. Lanes gid, gid ^ 1 swap values so that each stores two
@@ -204,7 +194,8 @@ __device__ __forceinline__ void store_fragments(float (&acc)[MF][NF][4], const G
             }
           }
           if (!scattered)
-            store_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, out_lo, out_hi);
+            // two adjacent output features of one row (n even, so the 4- or 8-byte store is aligned)
+            store_out_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + n, out_lo, out_hi);
         }
       }
       acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.f;
