@@ -172,8 +172,8 @@ constexpr int64_t kHopperSms = 132;
 // mu = rows / E and variance mu (1 - 1 / E), and an expert of r rows takes ceil(r / TILE_N) tiles. At
 // mu = 128 the 128-token tile needs 1.5 tiles on average (half the experts pass 128 rows), the 160-token
 // one 1.0: measured 1.21-1.27x faster (DeepSeek-V3 T = 4096, Qwen3 T = 2048), predicted 1.27x; at mu = 512
-// the 128-token tile needs 4.5, the 160-token one 4.0 (x 1.18 = 4.72): measured 1.04-1.07x slower,
-// predicted 1.05x; at mu = 64 both need 1 tile (160 measured 1.16x slower).
+// the 128-token tile needs 4.5, the 160-token one 3.9 (x 1.18 = 4.63): measured 1.04-1.07x slower,
+// predicted 1.03x; at mu = 64 both need 1 tile (160 measured 1.16x slower).
 constexpr double kWgmmaN160TileCost = 1.18;
 
 namespace {
