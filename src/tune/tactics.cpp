@@ -67,11 +67,13 @@ const std::vector<Tactic>& compiled() {
 }
 
 // The bf16 x 4-bit kernel (sm90_grouped_gemm_bf16_w4.cu), mma.sync bf16: the same tile names.
-// NOTE: must match the instantiations in sm90_grouped_gemm_bf16_w4.cu one for one.
+// NOTE: must match the instantiations in sm90_grouped_gemm_bf16_w4_launch.cuh one for one.
 const std::vector<Tactic>& compiled_bf16() {
   static const std::vector<Tactic> list = {
       make(Family::kDecode, 128, 8, 256), make(Family::kDecode, 128, 16, 256),
       make(Family::kPrefill, 128, 64, 128), make(Family::kDecode, 128, 32, 256), make(Family::kDecode, 128, 24, 256),
+      // WGMMA bf16 m64n128k16: 128 weight rows x 128 tokens (sm90_grouped_gemm_bf16_w4_wgmma.cu).
+      make(Family::kPrefill, 128, 128, 128),
   };
   return list;
 }

@@ -81,6 +81,11 @@ __device__ __forceinline__ void tma_load_stage(const P& p, const TmaTile& t, int
 
 }  // namespace wgmma
 
+// A row-major matrix [rows, cols] of elem_bytes-wide elements as a 2-D tensor map with boxes of
+// box_rows x box_cols elements; past the matrix's ends the boxes are zero-filled (wgmma_tma_maps.cu).
+CUtensorMap tma_matrix_map(const void* base, CUtensorMapDataType type, int elem_bytes, int64_t rows, int64_t cols,
+                           int box_rows, int box_cols, CUtensorMapSwizzle swizzle);
+
 // The parameters with the three tensor maps of their TMA stages: tile_n-token boxes of A (128-byte
 // swizzle), 64-row halves of B and of the scales (wgmma_tma_maps.cu; Base: WgmmaGemmParams or
 // WgmmaActGemmParams). rows: the rows of A.

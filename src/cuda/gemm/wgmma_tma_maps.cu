@@ -30,9 +30,9 @@ EncodeTiled encode_tiled() {
   return fn;
 }
 
-// A row-major matrix [rows, cols] of elem_bytes-wide elements as a 2-D tensor map with boxes of
-// box_rows x box_cols elements.
-CUtensorMap matrix_map(const void* base, CUtensorMapDataType type, int elem_bytes, int64_t rows, int64_t cols,
+}  // namespace
+
+CUtensorMap tma_matrix_map(const void* base, CUtensorMapDataType type, int elem_bytes, int64_t rows, int64_t cols,
                        int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
@@ -47,8 +47,6 @@ CUtensorMap matrix_map(const void* base, CUtensorMapDataType type, int elem_byte
   return map;
 }
 
-}  // namespace
-
 // Packed-4 scales: one weight row's 4 bf16 in 8 bytes (an int64 element).
 template <class Base>
 WithTmaMaps<Base> tma_params(const Base& params, int64_t rows, int tile_n) {
@@ -57,14 +55,14 @@ WithTmaMaps<Base> tma_params(const Base& params, int64_t rows, int tile_n) {
   WithTmaMaps<Base> tp;
   static_cast<Base&>(tp) = params;
   const int64_t experts = params.num_experts;
-  tp.act_map = matrix_map(params.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, params.k, tile_n, kGroup,
+  tp.act_map = tma_matrix_map(params.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, params.k, tile_n, kGroup,
                           CU_TENSOR_MAP_SWIZZLE_128B);
-  tp.weight_map = matrix_map(params.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * params.n, params.k / 2, kHalf,
+  tp.weight_map = tma_matrix_map(params.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * params.n, params.k / 2, kHalf,
                              kGroup / 2, CU_TENSOR_MAP_SWIZZLE_64B);
   tp.scale_map = params.scales_packed4
-                     ? matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_INT64, 8, experts * (params.k / 512),
+                     ? tma_matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_INT64, 8, experts * (params.k / 512),
                                   params.n, 1, kHalf, CU_TENSOR_MAP_SWIZZLE_NONE)
-                     : matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, experts * (params.k / kGroup),
+                     : tma_matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, experts * (params.k / kGroup),
                                   params.n, 1, kHalf, CU_TENSOR_MAP_SWIZZLE_NONE);
   return tp;
 }
