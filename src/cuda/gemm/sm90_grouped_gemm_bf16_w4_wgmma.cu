@@ -19,11 +19,11 @@
 // The A fragment of m64nNk16 (as mma.sync m16n8k16): thread (gid, tig) holds rows gid and gid + 8 and K
 // 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9 of each k16 step s: in a packed weight row, byte tig of the
 // 32-bit words 2 s and 2 s + 1. One byte (nibbles k, k + 1) becomes one bf16x2:
-//   int4 : a byte permute puts it at bytes 0 and 2; one LOP3 keeps nibble k at bits 0..3 and nibble
-//          k + 1 at bits 20..23 under the bf16 exponents of 128 and 2048 and flips their sign bits
-//          (q + 8); one bf16x2 FMA by (1, 1/16) minus 136 leaves (q_k, q_k+1), exact.
-//   FP4  : the byte alone times 0x1001, masked: nibbles at bits 0..3 and 16..19; then the mma.sync tiles'
-//          e2m1 decode and block-scale multiply. An NVFP4 block (16 K) is one k16 step, an MXFP4 block two.
+// a byte permute isolates it, times 0x1001 and masked its nibbles sit at bits 0..3 and 16..19 (a nibble
+// must stay inside the 7 mantissa bits of its bf16 half, so the byte cannot simply be placed twice); then
+// the mma.sync tiles' decode of a nibble pair: int4 one LOP3 (exponent of 128, sign bit flipped: q + 8)
+// and one bf16x2 subtract of 136; FP4 the e2m1 bits and the block-scale multiply. An NVFP4 block (16 K)
+// is one k16 step, an MXFP4 block two.
 // Accumulator row gid holds weight row r0 = 64 c + 16 w + 2 gid, row gid + 8 holds r0 + 1 (as the W4A8
 // tiles): the epilogue stores each token's two adjacent features as one pair.
 // A persistent grid walks the (expert, feature tile, token tile) list (grouped_tile_list.cuh).
@@ -82,21 +82,22 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
-// Byte `tig` of w at bytes 0 and 2 (int4) or alone (FP4): prmt selectors, one per thread.
-__host__ __device__ constexpr uint32_t sel_twice(int tig) { return tig | (tig << 8); }
-__host__ __device__ constexpr uint32_t sel_alone(int tig) { return 0x4440u | tig; }
+// prmt selector of byte `tig` alone (bytes 1..3 from the zero operand), one per thread.
+__host__ __device__ constexpr uint32_t sel_byte(int tig) { return 0x4440u | tig; }
 
-// int4: the byte's nibbles (k, k + 1) as bf16x2 (q_k, q_k+1), exact.
-__device__ __forceinline__ uint32_t int4_pair(uint32_t w, uint32_t sel) {
-  const uint32_t x = prmt(w, w, sel);
-  const uint32_t v = (x & 0x00F0000Fu) ^ 0x45804308u;  // (128 + q_k + 8, 2048 + 16 (q_k+1 + 8))
-  return bits(__hfma2(bf2(v), bf2(0x3D803F80u), bf2(0xC308C308u)));  // * (1, 1/16) - 136
+// Byte `tig` of w (nibbles k, k + 1) at bits 0..3 and 16..19.
+__device__ __forceinline__ uint32_t nibble_pair(uint32_t w, uint32_t sel) {
+  return (prmt(w, 0u, sel) * 0x1001u) & 0x000F000Fu;
 }
 
-// FP4: the byte's nibbles (k, k + 1) as bf16x2 e2m1 * 2^-126 (sm90_grouped_gemm_bf16_w4.cuh), unscaled.
+// int4: (q_k, q_k+1) as bf16x2, exact: 0x4300 | (q + 8) is 128 + q + 8 (sm90_grouped_gemm_bf16_w4.cuh).
+__device__ __forceinline__ uint32_t int4_pair(uint32_t w, uint32_t sel) {
+  return bits(__hsub2(bf2(nibble_pair(w, sel) ^ 0x43084308u), bf2(0x43084308u)));
+}
+
+// FP4: (k, k + 1) as bf16x2 e2m1 * 2^-126 (sm90_grouped_gemm_bf16_w4.cuh), unscaled.
 __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w, uint32_t sel) {
-  const uint32_t t = (prmt(w, 0u, sel) * 0x1001u) & 0x000F000Fu;  // nibble k at bits 0..3, k + 1 at 16..19
-  return (t * 0x1040u) & 0x81C081C0u;
+  return (nibble_pair(w, sel) * 0x1040u) & 0x81C081C0u;
 }
 
 // This thread's row r of a stage's scale chunk (FP4, 128x4 layout): its 4 block scales as one word.
@@ -119,7 +120,7 @@ __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, const uint8_t
     w1[k] = *reinterpret_cast<const uint4*>(row0 + kGroup / 2 + 16 * (k ^ x));
   }
   if constexpr (F == W4Format::kInt4G128) {
-    const uint32_t sel = sel_twice(tig);
+    const uint32_t sel = sel_byte(tig);
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
       const uint4& c0 = w0[s / 2];
@@ -147,7 +148,7 @@ __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, const uint8_t
       s0[b] = scale_splat<F>((sc0[b / 4] >> (8 * (b % 4))) & 0xFFu);
       s1[b] = scale_splat<F>((sc1[b / 4] >> (8 * (b % 4))) & 0xFFu);
     }
-    const uint32_t sel = sel_alone(tig);
+    const uint32_t sel = sel_byte(tig);
     auto dec = [&](uint32_t w, uint32_t scale2) {
       const __nv_bfloat162 e = bf2(e2m1_pair(w, sel));
       if constexpr (kNv) return bits(__hmul2(e, bf2(scale2)));
