@@ -9,6 +9,8 @@
 # QMOE_PROFILE_SOURCE=1: instead, where the warps wait per SASS instruction (SourceCounters warp-stall
 # sampling): the QMOE_PROFILE_TOP (40) instructions with the most samples and their top stall reasons,
 # and the samples by opcode, in $OUT/src_<case>.txt.
+# QMOE_PROFILE_KERNEL: the regex of the kernel names profiled (default: every grouped-GEMM kernel), e.g.
+# "wgmma_bf16" for the bf16 x 4-bit WGMMA tile of tests/gpu/bf16_w4_gemm_check.cu (which has no tactic filter).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -38,7 +40,7 @@ for c in $CASES; do
   name="gemm${gemm}_T${t}_${tactic}"
   echo "== $name"
   export QMOE_BENCH_GEMM=$gemm QMOE_BENCH_T=$t QMOE_BENCH_TACTIC=$tactic QMOE_BENCH_BATCH=1
-  NCU_RUN=("$NCU" --clock-control none --kernel-name-base demangled -k regex:"sm90_grouped_gemm|wgmma" --launch-skip 3 --launch-count 1)
+  NCU_RUN=("$NCU" --clock-control none --kernel-name-base demangled -k regex:"${QMOE_PROFILE_KERNEL:-sm90_grouped_gemm|wgmma}" --launch-skip 3 --launch-count 1)
   if [[ "${QMOE_PROFILE_SOURCE:-0}" == 1 ]]; then
     REP=$(mktemp -d)
     timeout 300 "${NCU_RUN[@]}" --section SourceCounters --section WarpStateStats --import-source no \

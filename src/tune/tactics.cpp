@@ -227,7 +227,7 @@ Tactic select_tactic(const GemmProblem& problem) {
         : rows_per_expert <= kBf16N16MaxRows                                          ? make(Family::kDecode, 128, 16, 256)
         : rows_per_expert <= kBf16N24MaxRows                                          ? make(Family::kDecode, 128, 24, 256)
         : rows_per_expert <= (one_wave ? kBf16N32MaxRowsOneWave : kBf16N32MaxRows) ? make(Family::kDecode, 128, 32, 256)
-                                                                                      : make(Family::kPrefill, 128, 64, 128);
+                                                                                      : make(Family::kPrefill, 128, 128, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     const int64_t hit = rows < experts ? rows : experts;
     const bool small_grid = rows > 0 && hit * feature_tiles(problem.n) < kHopperSms;

@@ -212,21 +212,21 @@ TEST(Tactics, Bf16KernelList) {
   std::vector<std::string> names;
   for (const auto& t : qmoe::valid_tactics(p)) names.push_back(t.name());
   EXPECT_EQ(names, (std::vector<std::string>{"decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128",
-                                              "decode_m128_n32_k256", "decode_m128_n24_k256"}));
+                                              "decode_m128_n32_k256", "decode_m128_n24_k256", "prefill_m128_n128_k128"}));
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
   // The measured switches (tactics.cpp, kBf16*): n8 up to 6 rows per expert, n16 up to 13, n24 up to
-  // 18, n32 up to 32 (28 where its tiles fit in one wave).
+  // 18, n32 up to 32 (28 where its tiles fit in one wave), then the WGMMA tile.
   for (const auto& [rows, name] : std::vector<std::pair<int64_t, std::string>>{
            {6, "decode_m128_n8_k256"}, {7, "decode_m128_n16_k256"}, {13, "decode_m128_n16_k256"},
            {14, "decode_m128_n24_k256"}, {18, "decode_m128_n24_k256"}, {19, "decode_m128_n32_k256"},
-           {32, "decode_m128_n32_k256"}, {33, "prefill_m128_n64_k128"}}) {
+           {32, "decode_m128_n32_k256"}, {33, "prefill_m128_n128_k128"}}) {
     p.total_rows = 128 * rows;
     EXPECT_EQ(qmoe::select_tactic(p).name(), name) << rows << " rows";
   }
   p.num_experts = 8;  // 8 experts x 32 tiles: one wave
   for (const auto& [rows, name] : std::vector<std::pair<int64_t, std::string>>{
            {6, "decode_m128_n8_k256"}, {7, "decode_m128_n16_k256"}, {14, "decode_m128_n24_k256"},
-           {28, "decode_m128_n32_k256"}, {29, "prefill_m128_n64_k128"}}) {
+           {28, "decode_m128_n32_k256"}, {29, "prefill_m128_n128_k128"}}) {
     p.total_rows = 8 * rows;
     EXPECT_EQ(qmoe::select_tactic(p).name(), name) << rows << " rows, one wave";
   }
@@ -236,7 +236,7 @@ TEST(Tactics, Bf16KernelList) {
   p.n = 4096;
   p.num_experts = 128;
   p.total_rows = 128 * 200;
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "prefill_m128_n64_k128");
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "prefill_m128_n128_k128");  // the WGMMA tile
   p.k = 2880 + 16;  // not a multiple of 32
   EXPECT_TRUE(qmoe::valid_tactics(p).empty());
 }
