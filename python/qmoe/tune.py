@@ -369,14 +369,17 @@ def fused_moe_candidates(num_tokens: int, hidden: int, inter: int, gated: bool, 
 
 # The W4A8 GEMM's WGMMA tiles (src/tune/tactics.cpp) sum the fp32 products in another order than its
 # mma.sync tiles, so their outputs differ in the last bits; all tactics of one family give the same bits
-# (measured: tests/python/test_gpu_reliability_runtime.py). The bf16 x 4-bit GEMM is one family.
+# (measured: tests/python/test_gpu_reliability_runtime.py).
 WGMMA_TACTICS = frozenset({"prefill_m128_n160_k128", "prefill_m128_n128_k128", "prefill_m128_n64_k128",
                            "prefill_m128_n32_k128"})
+# ... and the WGMMA tile of the bf16 x 4-bit GEMM (the other modes; its other tiles are mma.sync).
+BF16_WGMMA_TACTICS = frozenset({"prefill_m128_n128_k128"})
 
 
 def mma_family(tactic: str, quant_mode: str) -> str:
-    """'wgmma' or 'mma.sync': tactics of one family give bitwise-identical results."""
-    return "wgmma" if quant_mode == "w4a8_int4" and tactic in WGMMA_TACTICS else "mma.sync"
+    """'wgmma' or 'mma.sync': tactics of one family give bitwise-identical results (per GEMM kernel: the
+    W4A8 GEMM of w4a8_int4, the bf16 x 4-bit GEMM of the other modes)."""
+    return "wgmma" if tactic in (WGMMA_TACTICS if quant_mode == "w4a8_int4" else BF16_WGMMA_TACTICS) else "mma.sync"
 
 
 def fused_moe_tactic(num_tokens: int, *, quant_mode: str, hidden: int, inter: int, gated: bool, num_experts: int,

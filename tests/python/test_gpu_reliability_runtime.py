@@ -41,7 +41,7 @@ from qmoe import testing, tune  # noqa: E402
 from qmoe.compat import sgl_kernel as sgl  # noqa: E402
 
 from gpu_reliability_common import (  # noqa: E402
-    DEV, FUSED_MODES, OPS, RUNS, SANITIZER, WGMMA_TACTICS, assert_unchanged, build, fused_case_np,
+    DEV, FUSED_MODES, OPS, RUNS, SANITIZER, assert_unchanged, build, fused_case_np,
     fused_kw, gemm_kw, gpu_mode, live_bytes, mm_data_kw, mutate, mutation_labels, on_device, poisoned, raw, report,
     same_bits, snapshot, stable_seed)
 
@@ -154,7 +154,7 @@ def test_det_with_other_work_running(mode):
 @pytest.mark.parametrize("mode", FUSED_MODES)
 def test_det_across_tactics(mode, capsys):
     """Per tactic: bitwise equal over 3 runs and within tolerance of the CPU engine. Across tactics of
-    one MMA arithmetic (mma.sync, or WGMMA for w4a8_int4): bitwise equal. Across the two: printed."""
+    one MMA arithmetic (mma.sync or WGMMA, tune.mma_family): bitwise equal. Across the two: printed."""
     gpu_mode(mode)
     case = det_case(mode)
     dev = on_device(case)
@@ -174,7 +174,7 @@ def test_det_across_tactics(mode, capsys):
         pytest.skip(f"{mode}: fewer than two tactics")
     groups: dict = {}
     for tactic, out in results.items():
-        groups.setdefault("wgmma" if mode == "w4a8_int4" and tactic in WGMMA_TACTICS else "mma.sync", []).append(tactic)
+        groups.setdefault(tune.mma_family(tactic, mode), []).append(tactic)
     for cls, members in groups.items():
         for t in members[1:]:
             assert same_bits(results[t], results[members[0]]), f"{cls}: {t} differs from {members[0]}"

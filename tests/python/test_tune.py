@@ -488,7 +488,8 @@ def test_deterministic_tuning_keeps_the_heuristics_mma_family():
             assert len(timed) > 1 and (not deterministic or {tune.mma_family(t, "w4a8_int4") for t in timed} == {family})
     finally:
         tune._default = original
-    assert tune.mma_family("prefill_m128_n128_k128", "w4a4") == "mma.sync"  # one family in the bf16 kernel
+    assert tune.mma_family("prefill_m128_n64_k128", "w4a4") == "mma.sync"  # the bf16 kernel's mma.sync tiles
+    assert tune.mma_family("prefill_m128_n128_k128", "w4a4") == "wgmma"  # ... and its WGMMA tile
     assert tune.WGMMA_TACTICS <= set(TACTICS)
 
 
@@ -504,9 +505,9 @@ def test_wrapper_get_valid_tactics():
 
 def test_bf16_kernel_tactics_are_their_own_list():
     assert BF16_TACTICS == ["decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128", "decode_m128_n32_k256",
-                            "decode_m128_n24_k256"]
+                            "decode_m128_n24_k256", "prefill_m128_n128_k128"]
     assert qmoe.select_tactic(4096, 7168, 8, 256, bf16_activations=True) == "decode_m128_n8_k256"
-    assert qmoe.select_tactic(4096, 7168, 4096 * 8, 256, bf16_activations=True) == "prefill_m128_n64_k128"
+    assert qmoe.select_tactic(4096, 7168, 4096 * 8, 256, bf16_activations=True) == "prefill_m128_n128_k128"
     assert qmoe.valid_tactics(4096, 2880, 8, 128, bf16_activations=True) == BF16_TACTICS  # K % 32 == 0
     assert qmoe.valid_tactics(4096, 2880, 8, 128) == []  # the W4A8 GEMM needs K % 128 == 0
 

@@ -68,8 +68,6 @@ constexpr int kStageS = 1024;  // int4 packed-4: 128 rows x 8 bytes; NVFP4: two 
 constexpr int kStageBytes = kStageA + kStageW + kStageS;
 constexpr int kStages = 5;
 constexpr int kBarrierBytes = 2 * kStages * 8;
-// FP4 (one accumulator, no promotion): leave each step's wgmmas in flight until the next step's are issued.
-constexpr bool kFp4OneGroupInFlight = false;
 constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes;  // + alignment slack
 static_assert(kStageBytes % 1024 == 0 && kBox % 1024 == 0, "activation boxes stay 1024-byte aligned (128B swizzle)");
 static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
@@ -268,7 +266,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   };
 
   GroupedTile t{0, 0, 0, 0};
-  [[maybe_unused]] int pending = -1;  // (kFp4OneGroupInFlight) the step whose stage is still to be released
   TileStep step_at;  // the group and tile the next step computes
   // One K group: its 8 wgmmas on the A operand `a` (decoded earlier); while they run, the next stage's
   // weights become `a_next`; then (int4) the promotion, and the epilogue after the tile's last group.
@@ -297,16 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       for (int k = 0; k < 8; ++k) wgmma_m64n128k16(acc, a[k], k < 4 ? desc0 + 2 * k : desc1 + 2 * (k - 4), 1);
     }
     wgmma_commit();
-    if constexpr (!kInt4 && kFp4OneGroupInFlight) {
-      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // every group but this step's
-      if (pending >= 0) mbar_arrive(&empty[pending % kStages]);
-      pending = it;
-      if (more) convert(it + 1, a_next);  // a_next fed the previous step's wgmmas, now done
-      if (g < groups - 1) return;
-      pending = -1;
-    } else {
-      if (more) convert(it + 1, a_next);
-    }
+    if (more) convert(it + 1, a_next);
     wgmma_wait_all();
     if constexpr (kInt4) fence_operands(part);
     fence_operands(acc);
