@@ -72,8 +72,8 @@ const std::vector<Tactic>& compiled_bf16() {
   static const std::vector<Tactic> list = {
       make(Family::kDecode, 128, 8, 256), make(Family::kDecode, 128, 16, 256),
       make(Family::kPrefill, 128, 64, 128), make(Family::kDecode, 128, 32, 256), make(Family::kDecode, 128, 24, 256),
-      // WGMMA bf16 m64n128k16: 128 weight rows x 128 tokens (sm90_grouped_gemm_bf16_w4_wgmma.cu).
-      make(Family::kPrefill, 128, 128, 128),
+      // WGMMA bf16 m64n128k16 / m64n160k16: 128 weight rows x 128 or 160 tokens (sm90_grouped_gemm_bf16_w4_wgmma.cu).
+      make(Family::kPrefill, 128, 128, 128), make(Family::kPrefill, 128, 160, 128),
   };
   return list;
 }
@@ -177,6 +177,8 @@ constexpr int64_t kHopperSms = 132;
 // the 128-token tile needs 4.5, the 160-token one 3.9 (x 1.18 = 4.63): measured 1.04-1.07x slower,
 // predicted 1.03x; at mu = 64 both need 1 tile (160 measured 1.16x slower).
 constexpr double kWgmmaN160TileCost = 1.18;
+// The bf16 x 4-bit GEMM's WGMMA tiles are tensor-bound: a 160-token tile costs about 160 / 128 of a 128-token one.
+constexpr double kBf16WgmmaN160TileCost = 1.25;
 
 namespace {
 // E[ceil(r / tile)] for r ~ normal(mu, sigma^2) clipped at 0: the sum over j >= 0 of P(r > j tile); the
@@ -189,10 +191,11 @@ double expected_token_tiles(double mu, double sigma, int tile) {
     tiles += 0.5 * std::erfc((j * tile - mu) / (sigma * std::sqrt(2.0)));
   return tiles;
 }
-// Whether the 160-token WGMMA tile beats the 128-token one at mu rows per expert (of `experts`).
-bool wgmma_n160_pays(double mu, int64_t experts) {
+// Whether the 160-token WGMMA tile beats the 128-token one at mu rows per expert (of `experts`), one
+// 160-token tile costing `cost` 128-token ones.
+bool wgmma_n160_pays(double mu, int64_t experts, double cost) {
   const double sigma = std::sqrt(mu * (1.0 - 1.0 / static_cast<double>(experts)));
-  return kWgmmaN160TileCost * expected_token_tiles(mu, sigma, 160) < expected_token_tiles(mu, sigma, 128);
+  return cost * expected_token_tiles(mu, sigma, 160) < expected_token_tiles(mu, sigma, 128);
 }
 // Feature tiles of 128 weight rows per expert.
 int64_t feature_tiles(int64_t n) { return (n + 127) / 128; }
@@ -227,7 +230,9 @@ Tactic select_tactic(const GemmProblem& problem) {
         : rows_per_expert <= kBf16N16MaxRows                                          ? make(Family::kDecode, 128, 16, 256)
         : rows_per_expert <= kBf16N24MaxRows                                          ? make(Family::kDecode, 128, 24, 256)
         : rows_per_expert <= (one_wave ? kBf16N32MaxRowsOneWave : kBf16N32MaxRows) ? make(Family::kDecode, 128, 32, 256)
-                                                                                      : make(Family::kPrefill, 128, 128, 128);
+        : wgmma_n160_pays(static_cast<double>(rows) / static_cast<double>(experts), experts, kBf16WgmmaN160TileCost)
+            ? make(Family::kPrefill, 128, 160, 128)
+            : make(Family::kPrefill, 128, 128, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     const int64_t hit = rows < experts ? rows : experts;
     const bool small_grid = rows > 0 && hit * feature_tiles(problem.n) < kHopperSms;
@@ -244,7 +249,7 @@ Tactic select_tactic(const GemmProblem& problem) {
     t = make(Family::kPrefill, 128, 64, 128);  // WGMMA, 64-token tiles, two CTAs per SM
   } else {
     const double mu = static_cast<double>(rows) / static_cast<double>(experts);
-    t = wgmma_n160_pays(mu, experts) ? make(Family::kPrefill, 128, 160, 128)   // WGMMA, 160-token tiles
+    t = wgmma_n160_pays(mu, experts, kWgmmaN160TileCost) ? make(Family::kPrefill, 128, 160, 128)  // WGMMA, 160 tokens
                                      : make(Family::kPrefill, 128, 128, 128);  // WGMMA, 128-token tiles
   }
   if (log_enabled()) {

@@ -212,7 +212,8 @@ TEST(Tactics, Bf16KernelList) {
   std::vector<std::string> names;
   for (const auto& t : qmoe::valid_tactics(p)) names.push_back(t.name());
   EXPECT_EQ(names, (std::vector<std::string>{"decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128",
-                                              "decode_m128_n32_k256", "decode_m128_n24_k256", "prefill_m128_n128_k128"}));
+                                              "decode_m128_n32_k256", "decode_m128_n24_k256", "prefill_m128_n128_k128",
+                                              "prefill_m128_n160_k128"}));
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
   // The measured switches (tactics.cpp, kBf16*): n8 up to 6 rows per expert, n16 up to 13, n24 up to
   // 18, n32 up to 32 (28 where its tiles fit in one wave), then the WGMMA tile.

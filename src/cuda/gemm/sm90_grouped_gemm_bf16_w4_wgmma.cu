@@ -60,17 +60,22 @@ struct Params : Bf16W4Params {
 constexpr int kConsumers = 2;                           // computing warpgroups, 64 weight rows each
 constexpr int kThreads = 128 * (1 + kConsumers);        // + the loading warpgroup
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // setmaxnreg: 128 * 40 + 256 * 232 <= 65536
-constexpr int kTileN = 128;                             // tokens per tile (the wgmma N)
-constexpr int kAcc = kTileN / 2;                        // fp32 accumulator registers per thread
-constexpr int kBox = kTileN * 128;                      // one 64-K activation box
-constexpr int kStageA = 2 * kBox;
 constexpr int kStageS = 1024;  // int4 packed-4: 128 rows x 8 bytes; NVFP4: two 512-byte chunks
-constexpr int kStageBytes = kStageA + kStageW + kStageS;
-constexpr int kStages = 5;
-constexpr int kBarrierBytes = 2 * kStages * 8;
-constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes;  // + alignment slack
-static_assert(kStageBytes % 1024 == 0 && kBox % 1024 == 0, "activation boxes stay 1024-byte aligned (128B swizzle)");
-static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
+
+// TILE_N tokens per tile (the wgmma N): 128, or 160 for experts whose rows fill 160-token tiles better.
+template <int TILE_N>
+struct Shape {
+  static_assert(TILE_N == 128 || TILE_N == 160, "wgmma m64n128k16 or m64n160k16");
+  static constexpr int kAcc = TILE_N / 2;  // fp32 accumulator registers per thread
+  static constexpr int kBox = TILE_N * 128;  // one 64-K activation box
+  static constexpr int kStageA = 2 * kBox;
+  static constexpr int kStageBytes = kStageA + kStageW + kStageS;  // 41 KB (128 tokens), 49 KB (160)
+  static constexpr int kStages = TILE_N == 128 ? 5 : 4;
+  static constexpr int kBarrierBytes = 2 * kStages * 8;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes;  // + alignment slack
+  static_assert(kStageBytes % 1024 == 0 && kBox % 1024 == 0, "activation boxes stay 1024-byte aligned (128B swizzle)");
+  static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
+};
 
 // d (64 x 128 fp32 per warpgroup) (+)= A (64 x 16 bf16, registers) * B^T (128 x 16 bf16, smem, K-major).
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
@@ -80,6 +85,23 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t 
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+// d (64 x 160 fp32 per warpgroup) (+)= A (64 x 16 bf16, registers) * B^T (160 x 16 bf16, smem, K-major).
+__device__ __forceinline__ void wgmma_m64n160k16(float (&d)[80], const uint32_t (&a)[4], uint64_t desc_b,
+                                                 int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %85, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, {%80, %81, %82, %83}, %84, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+template <int TILE_N>
+__device__ __forceinline__ void wgmma_k16(float (&d)[TILE_N / 2], const uint32_t (&a)[4], uint64_t desc_b,
+                                          int accumulate) {
+  if constexpr (TILE_N == 160) wgmma_m64n160k16(d, a, desc_b, accumulate);
+  else wgmma_m64n128k16(d, a, desc_b, accumulate);
 }
 
 // prmt selector of byte `tig` alone (bytes 1..3 from the zero operand), one per thread.
@@ -181,16 +203,17 @@ __device__ __forceinline__ TileBoxes tile_boxes(const Params& p, const GroupedTi
     return {t.row0, t.expert * p.n + t.n0, 0, (t.expert * mt + t.n0 / kTileM) * p.scale_col_chunks};
   }
 }
-template <W4Format F>
+template <W4Format F, int TILE_N>
 __device__ __forceinline__ uint32_t stage_bytes(const Params& p) {
   const int scales = F == W4Format::kInt4G128 ? (p.scales_packed4 ? kTileM * 8 : kTileM * 2)
                      : F == W4Format::kNvfp4  ? 1024
                                               : 512;
-  return kStageA + kStageW + scales;
+  return Shape<TILE_N>::kStageA + kStageW + scales;
 }
 // Stage (tile boxes b, group g) at shared address sa; the bytes complete a transaction of bar.
-template <W4Format F>
+template <W4Format F, int TILE_N>
 __device__ __forceinline__ void load_stage(const Params& p, const TileBoxes& b, int g, uint32_t sa, uint64_t* bar) {
+  constexpr int kBox = Shape<TILE_N>::kBox, kStageA = Shape<TILE_N>::kStageA;
   tma_load_2d(sa, &p.act_map, g * kGroup, b.act_row, bar);
   tma_load_2d(sa + kBox, &p.act_map, g * kGroup + kGroup / 2, b.act_row, bar);
   tma_load_2d(sa + kStageA, &p.weight_map, g * (kGroup / 2), b.weight_row, bar);
@@ -202,10 +225,16 @@ __device__ __forceinline__ void load_stage(const Params& p, const TileBoxes& b, 
   }
 }
 
-template <W4Format F, class OutT>
+template <W4Format F, class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Params p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
+  using S = Shape<TILE_N>;
+  constexpr int kTileN = TILE_N, kAcc = S::kAcc, kBox = S::kBox, kStageA = S::kStageA;
+  constexpr int kStageBytes = S::kStageBytes, kStages = S::kStages;
   constexpr bool kInt4 = F == W4Format::kInt4G128;
+  // Decode the next stage while this one's wgmmas run; not for int4 at 160 tokens, whose accumulator and
+  // partial (2 x 80) leave no room for two A operands (32 each) in the 232 registers.
+  constexpr bool kOverlap = !(kInt4 && TILE_N > 128);
   extern __shared__ uint8_t smem_raw[];
   uint8_t* stages = align_1024(smem_raw);
   uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * kStageBytes);
@@ -239,8 +268,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       const int g = at.k, s = it % kStages;
       if (g == 0) boxes = tile_boxes<F>(p, tiles.take(ahead, at.tile));
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-      mbar_arrive_expect_tx(&full[s], stage_bytes<F>(p));
-      load_stage<F>(p, boxes, g, smem_u32(stages + s * kStageBytes), &full[s]);
+      mbar_arrive_expect_tx(&full[s], stage_bytes<F, TILE_N>(p));
+      load_stage<F, TILE_N>(p, boxes, g, smem_u32(stages + s * kStageBytes), &full[s]);
       at.advance(groups);
     }
     return;
@@ -282,23 +311,27 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
     }
     const bool more = it + 1 < total_iters;
-    if (more) wait_full(it + 1);
+    if (kOverlap && more) wait_full(it + 1);
     wgmma_fence();
     if constexpr (kInt4) {
       fence_operands(part);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) wgmma_m64n128k16(part, a[k], k < 4 ? desc0 + 2 * k : desc1 + 2 * (k - 4), k > 0);
+      for (int k = 0; k < 8; ++k) wgmma_k16<TILE_N>(part, a[k], k < 4 ? desc0 + 2 * k : desc1 + 2 * (k - 4), k > 0);
     } else {
       fence_operands(acc);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) wgmma_m64n128k16(acc, a[k], k < 4 ? desc0 + 2 * k : desc1 + 2 * (k - 4), 1);
+      for (int k = 0; k < 8; ++k) wgmma_k16<TILE_N>(acc, a[k], k < 4 ? desc0 + 2 * k : desc1 + 2 * (k - 4), 1);
     }
     wgmma_commit();
-    if (more) convert(it + 1, a_next);
+    if (kOverlap && more) convert(it + 1, a_next);
     wgmma_wait_all();
     if constexpr (kInt4) fence_operands(part);
     fence_operands(acc);
     mbar_arrive(&empty[s]);  // this thread is done with stage s (weights and scales in registers)
+    if (!kOverlap && more) {
+      wait_full(it + 1);
+      convert(it + 1, a_next);
+    }
     if constexpr (kInt4) {
 #pragma unroll
       for (int j = 0; j < kTileN / 8; ++j) {
@@ -344,14 +377,15 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
 }  // namespace wgmma_bf16
 
 template <W4Format F>
-void launch_wgmma(const Bf16W4Params& params, bool fp32_out, int64_t rows, cudaStream_t stream) {
+void launch_wgmma(const Bf16W4Params& params, int tile_n, bool fp32_out, int64_t rows, cudaStream_t stream) {
   using namespace wgmma_bf16;
   QMOE_CHECK_ARG(params.scatter.out == nullptr, "scatter", "a decode tile for the fused finalize (the WGMMA tile stores)",
-                 "prefill_m128_n128_k128");
+                 "a WGMMA tile");
+  QMOE_CHECK_ARG(tile_n == 128 || tile_n == 160, "tactic", "a WGMMA token tile of 128 or 160", std::to_string(tile_n));
   Params tp;
   static_cast<Bf16W4Params&>(tp) = params;
   const int64_t experts = params.num_experts, n = params.n, k = params.k;
-  tp.act_map = tma_matrix_map(params.a, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, rows, k, kTileN, kGroup / 2,
+  tp.act_map = tma_matrix_map(params.a, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, rows, k, tile_n, kGroup / 2,
                               CU_TENSOR_MAP_SWIZZLE_128B);
   tp.weight_map = tma_matrix_map(params.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * n, k / 2, kTileM, kGroup / 2,
                                  CU_TENSOR_MAP_SWIZZLE_64B);
@@ -367,12 +401,18 @@ void launch_wgmma(const Bf16W4Params& params, bool fp32_out, int64_t rows, cudaS
                                   experts * mt * params.scale_col_chunks, 128, F == W4Format::kNvfp4 ? 2 : 1, 128,
                                   CU_TENSOR_MAP_SWIZZLE_NONE);
   }
-  if (fp32_out) launch_persistent<kernel<F, float>>(kThreads, kSmemBytes, stream, tp, "bf16 x 4-bit wgmma");
-  else launch_persistent<kernel<F, __nv_bfloat16>>(kThreads, kSmemBytes, stream, tp, "bf16 x 4-bit wgmma");
+  auto launch = [&](auto tile) {
+    constexpr int kTileN = decltype(tile)::value;
+    constexpr int kSmem = Shape<kTileN>::kSmemBytes;
+    if (fp32_out) launch_persistent<kernel<F, float, kTileN>>(kThreads, kSmem, stream, tp, "bf16 x 4-bit wgmma");
+    else launch_persistent<kernel<F, __nv_bfloat16, kTileN>>(kThreads, kSmem, stream, tp, "bf16 x 4-bit wgmma");
+  };
+  if (tile_n == 160) launch(std::integral_constant<int, 160>{});
+  else launch(std::integral_constant<int, 128>{});
 }
 
-template void launch_wgmma<W4Format::kInt4G128>(const Bf16W4Params&, bool, int64_t, cudaStream_t);
-template void launch_wgmma<W4Format::kNvfp4>(const Bf16W4Params&, bool, int64_t, cudaStream_t);
-template void launch_wgmma<W4Format::kMxfp4>(const Bf16W4Params&, bool, int64_t, cudaStream_t);
+template void launch_wgmma<W4Format::kInt4G128>(const Bf16W4Params&, int, bool, int64_t, cudaStream_t);
+template void launch_wgmma<W4Format::kNvfp4>(const Bf16W4Params&, int, bool, int64_t, cudaStream_t);
+template void launch_wgmma<W4Format::kMxfp4>(const Bf16W4Params&, int, bool, int64_t, cudaStream_t);
 
 }  // namespace qmoe::cuda::bf16w4
