@@ -62,15 +62,15 @@ constexpr int kThreads = 128 * (1 + kConsumers);        // + the loading warpgro
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // setmaxnreg: 128 * 40 + 256 * 232 <= 65536
 constexpr int kStageS = 1024;  // int4 packed-4: 128 rows x 8 bytes; NVFP4: two 512-byte chunks
 
-// TILE_N tokens per tile (the wgmma N): 128, or 160 for experts whose rows fill 160-token tiles better.
+// TILE_N tokens per tile (the wgmma N): 128; 160 for experts whose rows fill 160-token tiles better; 64.
 template <int TILE_N>
 struct Shape {
-  static_assert(TILE_N == 128 || TILE_N == 160, "wgmma m64n128k16 or m64n160k16");
+  static_assert(TILE_N == 64 || TILE_N == 128 || TILE_N == 160, "wgmma m64n64k16, m64n128k16 or m64n160k16");
   static constexpr int kAcc = TILE_N / 2;  // fp32 accumulator registers per thread
   static constexpr int kBox = TILE_N * 128;  // one 64-K activation box
   static constexpr int kStageA = 2 * kBox;
-  static constexpr int kStageBytes = kStageA + kStageW + kStageS;  // 41 KB (128 tokens), 49 KB (160)
-  static constexpr int kStages = TILE_N == 128 ? 5 : 4;
+  static constexpr int kStageBytes = kStageA + kStageW + kStageS;  // 25 KB (64 tokens), 41 KB (128), 49 KB (160)
+  static constexpr int kStages = TILE_N == 64 ? 8 : TILE_N == 128 ? 5 : 4;
   static constexpr int kBarrierBytes = 2 * kStages * 8;
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes;  // + alignment slack
   static_assert(kStageBytes % 1024 == 0 && kBox % 1024 == 0, "activation boxes stay 1024-byte aligned (128B swizzle)");
@@ -97,11 +97,22 @@ __device__ __forceinline__ void wgmma_m64n160k16(float (&d)[80], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
+// d (64 x 64 fp32 per warpgroup) (+)= A (64 x 16 bf16, registers) * B^T (64 x 16 bf16, smem, K-major).
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                                int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
 template <int TILE_N>
 __device__ __forceinline__ void wgmma_k16(float (&d)[TILE_N / 2], const uint32_t (&a)[4], uint64_t desc_b,
                                           int accumulate) {
   if constexpr (TILE_N == 160) wgmma_m64n160k16(d, a, desc_b, accumulate);
-  else wgmma_m64n128k16(d, a, desc_b, accumulate);
+  else if constexpr (TILE_N == 128) wgmma_m64n128k16(d, a, desc_b, accumulate);
+  else wgmma_m64n64k16(d, a, desc_b, accumulate);
 }
 
 // prmt selector of byte `tig` alone (bytes 1..3 from the zero operand), one per thread.
@@ -381,7 +392,8 @@ void launch_wgmma(const Bf16W4Params& params, int tile_n, bool fp32_out, int64_t
   using namespace wgmma_bf16;
   QMOE_CHECK_ARG(params.scatter.out == nullptr, "scatter", "a decode tile for the fused finalize (the WGMMA tile stores)",
                  "a WGMMA tile");
-  QMOE_CHECK_ARG(tile_n == 128 || tile_n == 160, "tactic", "a WGMMA token tile of 128 or 160", std::to_string(tile_n));
+  QMOE_CHECK_ARG(tile_n == 64 || tile_n == 128 || tile_n == 160, "tactic", "a WGMMA token tile of 64, 128 or 160",
+                 std::to_string(tile_n));
   Params tp;
   static_cast<Bf16W4Params&>(tp) = params;
   const int64_t experts = params.num_experts, n = params.n, k = params.k;
@@ -408,7 +420,8 @@ void launch_wgmma(const Bf16W4Params& params, int tile_n, bool fp32_out, int64_t
     else launch_persistent<kernel<F, __nv_bfloat16, kTileN>>(kThreads, kSmem, stream, tp, "bf16 x 4-bit wgmma");
   };
   if (tile_n == 160) launch(std::integral_constant<int, 160>{});
-  else launch(std::integral_constant<int, 128>{});
+  else if (tile_n == 128) launch(std::integral_constant<int, 128>{});
+  else launch(std::integral_constant<int, 64>{});
 }
 
 template void launch_wgmma<W4Format::kInt4G128>(const Bf16W4Params&, int, bool, int64_t, cudaStream_t);
