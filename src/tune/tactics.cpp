@@ -71,8 +71,9 @@ const std::vector<Tactic>& compiled() {
 const std::vector<Tactic>& compiled_bf16() {
   static const std::vector<Tactic> list = {
       make(Family::kDecode, 128, 8, 256), make(Family::kDecode, 128, 16, 256),
+      // (prefill_m128_n64_k128: the WGMMA 64-token tile since session 16, see below)
       make(Family::kPrefill, 128, 64, 128), make(Family::kDecode, 128, 32, 256), make(Family::kDecode, 128, 24, 256),
-      // WGMMA bf16 m64n128k16 / m64n160k16: 128 weight rows x 128 or 160 tokens (sm90_grouped_gemm_bf16_w4_wgmma.cu).
+      // WGMMA bf16 m64n{64,128,160}k16: 128 weight rows x 64, 128 or 160 tokens (sm90_grouped_gemm_bf16_w4_wgmma.cu).
       make(Family::kPrefill, 128, 128, 128), make(Family::kPrefill, 128, 160, 128),
   };
   return list;
@@ -153,11 +154,13 @@ constexpr int64_t kBf16N8MaxRows = 6;
 // at 40 rows the 64-token tile wins everywhere. Where the n32 tiles fit in one wave, at 32 rows about
 // half the experts need a second n32 token tile (a second wave) where the 64-token tile needs one:
 // Mixtral GEMM2 at 32 rows 64-token tile 252 / 268 us vs n32 302 / 312 (int4 / NVFP4), at 28 rows n32
-// 236 / 243 vs 252 / 267.
+// 236 / 243 vs 252 / 267. (The 64-token tile of these sweeps was the mma.sync one.)
 constexpr int64_t kBf16N16MaxRows = 13;
 constexpr int64_t kBf16N24MaxRows = 18;
-constexpr int64_t kBf16N32MaxRows = 32;
-constexpr int64_t kBf16N32MaxRowsOneWave = 28;
+// Session 16 (bench/results/2026-12-01_s16d_*, DeepSeek-V3 GEMM1 / GEMM2, int4 and NVFP4): the WGMMA 64-token
+// tile beats n32 at 32 rows per expert (2849 vs 3417 us, 1565 vs 1932; half the experts need a second n32
+// tile there, and n32's time per tile puts the tie near 28 rows), so n32 up to 28 rows.
+constexpr int64_t kBf16N32MaxRows = 28;
 // Decode grids smaller than the GPU: with at most kDecodeN8MaxRows rows per expert, at most
 // min(E, total_rows) experts are hit, each with ceil(N / 128) tiles of 128 weight rows. When that
 // bound is below the SM count of an H100/H200 SXM (132), half-height tiles (64 rows) put twice the
@@ -177,8 +180,15 @@ constexpr int64_t kHopperSms = 132;
 // the 128-token tile needs 4.5, the 160-token one 3.9 (x 1.18 = 4.63): measured 1.04-1.07x slower,
 // predicted 1.03x; at mu = 64 both need 1 tile (160 measured 1.16x slower).
 constexpr double kWgmmaN160TileCost = 1.18;
-// The bf16 x 4-bit GEMM's WGMMA tiles are tensor-bound: a 160-token tile costs about 160 / 128 of a 128-token one.
+// The bf16 x 4-bit GEMM's WGMMA tiles (H200, bench/results/2026-12-01_s16c_* and s16d_*): tensor-bound, a 160-token
+// tile costs ~1.25 128-token ones (NVFP4 at 64 rows per expert, one tile each: 1.24-1.28; int4, whose 160-token
+// tile decodes after its wgmmas for want of registers: 1.28-1.42). Measured: 1.28-1.46x faster at 128 rows per
+// expert (NVFP4; int4 1.11-1.43x), 3% at 256, slower at 64 and 1024 (where the model picks 128).
 constexpr double kBf16WgmmaN160TileCost = 1.25;
+// A 64-token tile costs ~0.8 of a 128-token one (32-48 rows vs 64: 2849-3055 vs 3375-3800 us, GEMM2 1565-1626
+// vs 2072-2093): it wins up to ~56 rows per expert (48 rows: 1.13-1.36x over the 128-token tile; 64 rows:
+// the 128-token tile by 1.15-1.3x, also on Qwen3-30B).
+constexpr double kBf16WgmmaN64TileCost = 0.8;
 
 namespace {
 // E[ceil(r / tile)] for r ~ normal(mu, sigma^2) clipped at 0: the sum over j >= 0 of P(r > j tile); the
@@ -191,12 +201,13 @@ double expected_token_tiles(double mu, double sigma, int tile) {
     tiles += 0.5 * std::erfc((j * tile - mu) / (sigma * std::sqrt(2.0)));
   return tiles;
 }
-// Whether the 160-token WGMMA tile beats the 128-token one at mu rows per expert (of `experts`), one
-// 160-token tile costing `cost` 128-token ones.
-bool wgmma_n160_pays(double mu, int64_t experts, double cost) {
+// Whether a `tile`-token WGMMA tile beats the 128-token one at mu rows per expert (of `experts`), one such
+// tile costing `cost` 128-token ones.
+bool wgmma_tile_pays(int tile, double mu, int64_t experts, double cost) {
   const double sigma = std::sqrt(mu * (1.0 - 1.0 / static_cast<double>(experts)));
-  return cost * expected_token_tiles(mu, sigma, 160) < expected_token_tiles(mu, sigma, 128);
+  return cost * expected_token_tiles(mu, sigma, tile) < expected_token_tiles(mu, sigma, 128);
 }
+bool wgmma_n160_pays(double mu, int64_t experts, double cost) { return wgmma_tile_pays(160, mu, experts, cost); }
 // Feature tiles of 128 weight rows per expert.
 int64_t feature_tiles(int64_t n) { return (n + 127) / 128; }
 // The 128-row tiles of `experts` experts fit in one wave of two CTAs per SM (the n24 / n32 tiles' occupancy).
@@ -224,15 +235,16 @@ Tactic select_tactic(const GemmProblem& problem) {
   const int64_t rows = problem.total_rows > 0 ? problem.total_rows : 0;
   const int64_t rows_per_expert = (rows + experts - 1) / experts;
   const bool one_wave = one_wave_of_tiles(experts, problem.n);
+  const double mu = static_cast<double>(rows) / static_cast<double>(experts);
   Tactic t;
   if (problem.bf16_activations) {
     t = rows_per_expert <= kBf16N8MaxRows                                             ? make(Family::kDecode, 128, 8, 256)
         : rows_per_expert <= kBf16N16MaxRows                                          ? make(Family::kDecode, 128, 16, 256)
         : rows_per_expert <= kBf16N24MaxRows                                          ? make(Family::kDecode, 128, 24, 256)
-        : rows_per_expert <= (one_wave ? kBf16N32MaxRowsOneWave : kBf16N32MaxRows) ? make(Family::kDecode, 128, 32, 256)
-        : wgmma_n160_pays(static_cast<double>(rows) / static_cast<double>(experts), experts, kBf16WgmmaN160TileCost)
-            ? make(Family::kPrefill, 128, 160, 128)
-            : make(Family::kPrefill, 128, 128, 128);
+        : rows_per_expert <= kBf16N32MaxRows                                          ? make(Family::kDecode, 128, 32, 256)
+        : wgmma_tile_pays(64, mu, experts, kBf16WgmmaN64TileCost)                     ? make(Family::kPrefill, 128, 64, 128)
+        : wgmma_n160_pays(mu, experts, kBf16WgmmaN160TileCost)                        ? make(Family::kPrefill, 128, 160, 128)
+                                                                                      : make(Family::kPrefill, 128, 128, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     const int64_t hit = rows < experts ? rows : experts;
     const bool small_grid = rows > 0 && hit * feature_tiles(problem.n) < kHopperSms;
@@ -248,7 +260,6 @@ Tactic select_tactic(const GemmProblem& problem) {
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {
     t = make(Family::kPrefill, 128, 64, 128);  // WGMMA, 64-token tiles, two CTAs per SM
   } else {
-    const double mu = static_cast<double>(rows) / static_cast<double>(experts);
     t = wgmma_n160_pays(mu, experts, kWgmmaN160TileCost) ? make(Family::kPrefill, 128, 160, 128)  // WGMMA, 160 tokens
                                      : make(Family::kPrefill, 128, 128, 128);  // WGMMA, 128-token tiles
   }

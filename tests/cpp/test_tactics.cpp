@@ -216,24 +216,29 @@ TEST(Tactics, Bf16KernelList) {
                                               "prefill_m128_n160_k128"}));
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
   // The measured switches (tactics.cpp, kBf16*): n8 up to 6 rows per expert, n16 up to 13, n24 up to
-  // 18, n32 up to 32 (28 where its tiles fit in one wave), then the WGMMA tile.
+  // 18, n32 up to 28, then the WGMMA tiles by their expected tile counts: 64 tokens up to ~56 rows, 128,
+  // and 160 around 128 rows.
   for (const auto& [rows, name] : std::vector<std::pair<int64_t, std::string>>{
            {6, "decode_m128_n8_k256"}, {7, "decode_m128_n16_k256"}, {13, "decode_m128_n16_k256"},
            {14, "decode_m128_n24_k256"}, {18, "decode_m128_n24_k256"}, {19, "decode_m128_n32_k256"},
-           {32, "decode_m128_n32_k256"}, {33, "prefill_m128_n128_k128"}}) {
+           {28, "decode_m128_n32_k256"}, {29, "prefill_m128_n64_k128"}, {48, "prefill_m128_n64_k128"},
+           {56, "prefill_m128_n64_k128"}, {64, "prefill_m128_n128_k128"}, {128, "prefill_m128_n160_k128"},
+           {1024, "prefill_m128_n128_k128"}}) {
     p.total_rows = 128 * rows;
     EXPECT_EQ(qmoe::select_tactic(p).name(), name) << rows << " rows";
   }
   p.num_experts = 8;  // 8 experts x 32 tiles: one wave
   for (const auto& [rows, name] : std::vector<std::pair<int64_t, std::string>>{
            {6, "decode_m128_n8_k256"}, {7, "decode_m128_n16_k256"}, {14, "decode_m128_n24_k256"},
-           {28, "decode_m128_n32_k256"}, {29, "prefill_m128_n128_k128"}}) {
+           {28, "decode_m128_n32_k256"}, {29, "prefill_m128_n64_k128"}}) {
     p.total_rows = 8 * rows;
     EXPECT_EQ(qmoe::select_tactic(p).name(), name) << rows << " rows, one wave";
   }
-  p.n = 28672;  // Mixtral GEMM1: 8 x 224 tiles, many waves: n32 up to 32 rows
-  p.total_rows = 8 * 32;
+  p.n = 28672;  // Mixtral GEMM1: 8 x 224 tiles, many waves
+  p.total_rows = 8 * 28;
   EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n32_k256");
+  p.total_rows = 8 * 32;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "prefill_m128_n64_k128");
   p.n = 4096;
   p.num_experts = 128;
   p.total_rows = 128 * 200;

@@ -488,8 +488,8 @@ def test_deterministic_tuning_keeps_the_heuristics_mma_family():
             assert len(timed) > 1 and (not deterministic or {tune.mma_family(t, "w4a8_int4") for t in timed} == {family})
     finally:
         tune._default = original
-    assert tune.mma_family("prefill_m128_n64_k128", "w4a4") == "mma.sync"  # the bf16 kernel's mma.sync tiles
-    assert tune.mma_family("prefill_m128_n128_k128", "w4a4") == "wgmma"  # ... and its WGMMA tile
+    assert tune.mma_family("decode_m128_n32_k256", "w4a4") == "mma.sync"  # the bf16 kernel's mma.sync tiles
+    assert tune.mma_family("prefill_m128_n64_k128", "w4a4") == "wgmma"  # ... and its WGMMA tiles
     assert tune.WGMMA_TACTICS <= set(TACTICS)
 
 

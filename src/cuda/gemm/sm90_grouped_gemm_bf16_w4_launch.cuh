@@ -50,9 +50,9 @@ void launch_out(const Bf16W4Params& params, bool fp32_out, int64_t rows, int dev
 //                   (n8 with many tiles: 3 stages x 3 CTAs/SM, n8_tiles_fill_three_per_sm; H200,
 //                   bench/results/2026-11-30_s5a_*: 5-8% faster at T = 8-64)
 //   decode n24/n32: n16's warps with three / four token fragments, 3 stages so that two CTAs fit
-//   prefill n64   : 2 x 2 warps of 64 rows x 32 tokens, 1 group per stage (bf16 activations are 4x
-//                   the weight bytes), 4 stages, 2 CTAs/SM
-//   prefill n128 / n160: the WGMMA tiles (sm90_grouped_gemm_bf16_w4_wgmma.cu), their own kernel
+//   prefill n64 / n128 / n160: the WGMMA tiles (sm90_grouped_gemm_bf16_w4_wgmma.cu), their own kernel. (The
+//                   mma.sync 64-token tile that n64 named until session 16 was 1.2-1.4x slower at 32-48 rows
+//                   per expert, bench/results/2026-12-01_s16d_*.)
 template <W4Format F>
 void launch_format(const Bf16W4Params& params, const Tactic& tactic, bool fp32_out, int64_t rows, int device,
                    cudaStream_t stream) {
@@ -72,9 +72,8 @@ void launch_format(const Bf16W4Params& params, const Tactic& tactic, bool fp32_o
     launch_out<F, 4, 1, 2, 3, 2, 3, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 32, 256)) {
     launch_out<F, 4, 1, 2, 4, 2, 3, 2>(params, fp32_out, rows, device, stream);  // 3 stages: two CTAs fit
-  } else if (is(Family::kPrefill, 128, 64, 128)) {
-    launch_out<F, 2, 2, 4, 4, 1, 4, 2>(params, fp32_out, rows, device, stream);
-  } else if (is(Family::kPrefill, 128, 128, 128) || is(Family::kPrefill, 128, 160, 128)) {
+  } else if (is(Family::kPrefill, 128, 64, 128) || is(Family::kPrefill, 128, 128, 128) ||
+             is(Family::kPrefill, 128, 160, 128)) {
     launch_wgmma<F>(params, tactic.tile_n, fp32_out, rows, stream);
   } else {
     throw Error("tactic", "a tactic of the bf16 x 4-bit GEMM (valid_tactics with bf16 activations)", tactic.name());
