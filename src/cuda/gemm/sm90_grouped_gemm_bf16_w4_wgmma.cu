@@ -200,6 +200,28 @@ __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, const uint8_t
   }
 }
 
+// int4, half H of the A operand (k16 steps 4 H .. 4 H + 3, weight chunks 2 H and 2 H + 1) into a[4 H ..]: the
+// 160-token tile decodes a group in two halves, so that its A registers hold one group (see kOverlap).
+template <int H>
+__device__ __forceinline__ void stage_a_half_int4(const uint8_t* sw, int r0, int tig, uint32_t (&a)[8][4]) {
+  const int x = (r0 >> 1) & 3;
+  const uint8_t* row0 = sw + r0 * (kGroup / 2);
+  const uint32_t sel = sel_byte(tig);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const uint4 c0 = *reinterpret_cast<const uint4*>(row0 + 16 * ((2 * H + j) ^ x));
+    const uint4 c1 = *reinterpret_cast<const uint4*>(row0 + kGroup / 2 + 16 * ((2 * H + j) ^ x));
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      uint32_t(&out)[4] = a[4 * H + 2 * j + e];
+      out[0] = int4_pair(e ? c0.z : c0.x, sel);
+      out[1] = int4_pair(e ? c1.z : c1.x, sel);
+      out[2] = int4_pair(e ? c0.w : c0.y, sel);
+      out[3] = int4_pair(e ? c1.w : c1.y, sel);
+    }
+  }
+}
+
 // Where a tile's boxes start; a stage adds its group.
 struct TileBoxes {
   int act_row, weight_row, scale_col, scale_row;
@@ -243,8 +265,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   constexpr int kTileN = TILE_N, kAcc = S::kAcc, kBox = S::kBox, kStageA = S::kStageA;
   constexpr int kStageBytes = S::kStageBytes, kStages = S::kStages;
   constexpr bool kInt4 = F == W4Format::kInt4G128;
-  // Decode the next stage while this one's wgmmas run; not for int4 at 160 tokens, whose accumulator and
-  // partial (2 x 80) leave no room for two A operands (32 each) in the 232 registers.
+  // Decode the next stage while this one's wgmmas run (two A operands of 32 registers). Not so for int4 at
+  // 160 tokens, whose accumulator and partial (2 x 80) leave room for one: it decodes a group in halves,
+  // the second half while the first half's wgmmas run, the next group's first half while the second's run.
   constexpr bool kOverlap = !(kInt4 && TILE_N > 128);
   extern __shared__ uint8_t smem_raw[];
   uint8_t* stages = align_1024(smem_raw);
@@ -324,7 +347,16 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     const bool more = it + 1 < total_iters;
     if (kOverlap && more) wait_full(it + 1);
     wgmma_fence();
-    if constexpr (kInt4) {
+    if constexpr (kInt4 && !kOverlap) {
+      fence_operands(part);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wgmma_k16<TILE_N>(part, a[k], desc0 + 2 * k, k > 0);
+      wgmma_commit();
+      stage_a_half_int4<1>(st + kStageA, r0, tig, a);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 4; k < 8; ++k) wgmma_k16<TILE_N>(part, a[k], desc1 + 2 * (k - 4), 1);
+    } else if constexpr (kInt4) {
       fence_operands(part);
 #pragma unroll
       for (int k = 0; k < 8; ++k) wgmma_k16<TILE_N>(part, a[k], k < 4 ? desc0 + 2 * k : desc1 + 2 * (k - 4), k > 0);
@@ -334,15 +366,19 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       for (int k = 0; k < 8; ++k) wgmma_k16<TILE_N>(acc, a[k], k < 4 ? desc0 + 2 * k : desc1 + 2 * (k - 4), 1);
     }
     wgmma_commit();
-    if (kOverlap && more) convert(it + 1, a_next);
+    if constexpr (kOverlap) {
+      if (more) convert(it + 1, a_next);
+    } else {
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // the first half's wgmmas are done
+      if (more) {
+        wait_full(it + 1);
+        stage_a_half_int4<0>(stages + ((it + 1) % kStages) * kStageBytes + kStageA, r0, tig, a_next);  // == a
+      }
+    }
     wgmma_wait_all();
     if constexpr (kInt4) fence_operands(part);
     fence_operands(acc);
     mbar_arrive(&empty[s]);  // this thread is done with stage s (weights and scales in registers)
-    if (!kOverlap && more) {
-      wait_full(it + 1);
-      convert(it + 1, a_next);
-    }
     if constexpr (kInt4) {
 #pragma unroll
       for (int j = 0; j < kTileN / 8; ++j) {
@@ -375,13 +411,19 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       }
     }
   };
-  // Two A buffers, swapped by unrolling two steps (a runtime index would put them in local memory).
-  uint32_t a_even[8][4], a_odd[8][4];
   wait_full(0);
-  convert(0, a_even);
-  for (int it = 0; it < total_iters; it += 2) {
-    step(it, a_even, a_odd);
-    if (it + 1 < total_iters) step(it + 1, a_odd, a_even);
+  if constexpr (kOverlap) {
+    // Two A buffers, swapped by unrolling two steps (a runtime index would put them in local memory).
+    uint32_t a_even[8][4], a_odd[8][4];
+    convert(0, a_even);
+    for (int it = 0; it < total_iters; it += 2) {
+      step(it, a_even, a_odd);
+      if (it + 1 < total_iters) step(it + 1, a_odd, a_even);
+    }
+  } else {
+    uint32_t a[8][4];  // one buffer, refilled half by half
+    stage_a_half_int4<0>(stages + kStageA, r0, tig, a);
+    for (int it = 0; it < total_iters; ++it) step(it, a, a);
   }
 }
 
