@@ -201,7 +201,7 @@ __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, const uint8_t
 }
 
 // int4, half H of the A operand (k16 steps 4 H .. 4 H + 3, weight chunks 2 H and 2 H + 1) into a[4 H ..]: the
-// 160-token tile decodes a group in two halves, so that its A registers hold one group (see kOverlap).
+// int4 tiles decode a group in two halves (see kOverlap).
 template <int H>
 __device__ __forceinline__ void stage_a_half_int4(const uint8_t* sw, int r0, int tig, uint32_t (&a)[8][4]) {
   const int x = (r0 >> 1) & 3;
@@ -265,10 +265,11 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   constexpr int kTileN = TILE_N, kAcc = S::kAcc, kBox = S::kBox, kStageA = S::kStageA;
   constexpr int kStageBytes = S::kStageBytes, kStages = S::kStages;
   constexpr bool kInt4 = F == W4Format::kInt4G128;
-  // Decode the next stage while this one's wgmmas run (two A operands of 32 registers). Not so for int4 at
-  // 160 tokens, whose accumulator and partial (2 x 80) leave room for one: it decodes a group in halves,
-  // the second half while the first half's wgmmas run, the next group's first half while the second's run.
-  constexpr bool kOverlap = !(kInt4 && TILE_N > 128);
+  // FP4: decode the next stage while this one's wgmmas run (two A operands of 32 registers). int4 decodes a
+  // group in halves into one A operand: the second half while the first half's wgmmas run, the next group's
+  // first half while the second's run. Measured (H200, bench/results/2026-12-01_s16f_*): 5-10% faster than two
+  // full operands at 64 and 128 tokens, 16-23% at 160, where acc + part (2 x 80) + two operands had spilled.
+  constexpr bool kOverlap = !kInt4;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* stages = align_1024(smem_raw);
   uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * kStageBytes);
@@ -347,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     const bool more = it + 1 < total_iters;
     if (kOverlap && more) wait_full(it + 1);
     wgmma_fence();
-    if constexpr (kInt4 && !kOverlap) {
+    if constexpr (!kOverlap) {  // int4
       fence_operands(part);
 #pragma unroll
       for (int k = 0; k < 4; ++k) wgmma_k16<TILE_N>(part, a[k], desc0 + 2 * k, k > 0);
