@@ -1,4 +1,4 @@
-// Hopper WGMMA tile of the bf16 x 4-bit grouped GEMM (formula, layouts, limits: sm90_grouped_gemm_bf16_w4.h):
+// Hopper WGMMA tiles of the bf16 x 4-bit grouped GEMM (formula, layouts, limits: sm90_grouped_gemm_bf16_w4.h):
 //
 //   int4  : D[r, n] = out( s[r] * sum_g S[e, n, g] * (sum_{k in g} A[r, k] * q[e, n, k]) )
 //   FP4   : D[r, n] = out( s[r] * post * sum_k A[r, k] * dec[e, n, k] )
@@ -11,10 +11,11 @@
 // A loading warpgroup (thread 0 issues each stage's TMA boxes, per-stage "full" / "empty" mbarriers) and
 // two computing warpgroups of 64 weight rows each that run out of step. Swap-AB: weights decoded to bf16
 // in registers are the wgmma A operand, the tokens' bf16 activations the B operand in shared memory. One
-// stage is one K group of one 128 x 128 tile: two 64-K activation boxes (128-byte rows, 128-byte swizzle),
-// 128 weight rows (64 bytes, 64-byte swizzle) and the group's scales; 5 stages. Per stage each computing
-// warpgroup issues 8 wgmma m64n128k16: bf16 runs at half the fp8 rate, so the tile is tensor-bound by count
-// (~1,024 tensor cycles per stage for both warpgroups against ~250 issue slots of decode per warp).
+// stage is one K group of one 128 x TILE_N tile (TILE_N = 64, 128 or 160 tokens): two 64-K activation boxes
+// (128-byte rows, 128-byte swizzle), 128 weight rows (64 bytes, 64-byte swizzle) and the group's scales. Per
+// stage each computing warpgroup issues 8 wgmma m64nTILE_Nk16: bf16 runs at half the fp8 rate, so the
+// 128-token tile is tensor-bound by count (~1,024 tensor cycles per stage for both warpgroups against ~250
+// issue slots of decode per warp).
 //
 // The A fragment of m64nNk16 (as mma.sync m16n8k16): thread (gid, tig) holds rows gid and gid + 8 and K
 // 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9 of each k16 step s: in a packed weight row, byte tig of the
@@ -138,9 +139,9 @@ __device__ __forceinline__ uint32_t chunk_word(const uint8_t* chunk, int r) {
   return *reinterpret_cast<const uint32_t*>(chunk + (r % 32) * 16 + (r / 32) * 4);
 }
 
-// The A operand of one stage: this thread's weight rows r0, r0 + 1 (sw: the stage's weight tile, chunk k of
-// row r at k ^ ((r >> 1) & 3)) decoded to bf16, a[s] for k16 step s. FP4: with the group's block scales from
-// ss (blocks from `valid` on read as scale 0: past K, or the layout's padding).
+// FP4: the A operand of one stage: this thread's weight rows r0, r0 + 1 (sw: the stage's weight tile, chunk k
+// of row r at k ^ ((r >> 1) & 3)) decoded to bf16 with the group's block scales from ss (blocks from `valid` on
+// read as scale 0: past K, or the layout's padding), a[s] for k16 step s.
 template <W4Format F>
 __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, const uint8_t* ss, int r0, int tig, int valid,
                                                 uint32_t (&a)[8][4]) {
@@ -152,18 +153,8 @@ __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, const uint8_t
     w0[k] = *reinterpret_cast<const uint4*>(row0 + 16 * (k ^ x));
     w1[k] = *reinterpret_cast<const uint4*>(row0 + kGroup / 2 + 16 * (k ^ x));
   }
-  if constexpr (F == W4Format::kInt4G128) {
-    const uint32_t sel = sel_byte(tig);
-#pragma unroll
-    for (int s = 0; s < 8; ++s) {
-      const uint4& c0 = w0[s / 2];
-      const uint4& c1 = w1[s / 2];
-      a[s][0] = int4_pair(s % 2 ? c0.z : c0.x, sel);
-      a[s][1] = int4_pair(s % 2 ? c1.z : c1.x, sel);
-      a[s][2] = int4_pair(s % 2 ? c0.w : c0.y, sel);
-      a[s][3] = int4_pair(s % 2 ? c1.w : c1.y, sel);
-    }
-  } else {
+  {
+    static_assert(F != W4Format::kInt4G128, "int4 decodes in halves (stage_a_half_int4)");
     constexpr bool kNv = F == W4Format::kNvfp4;
     constexpr int kBlocks = kNv ? 8 : 4;  // scale blocks per group
     // Scale bytes of rows r0 and r0 + 1, blocks 0..3 (and 4..7 for NVFP4), masked past `valid`.
@@ -322,11 +313,13 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
 
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
   TileStep convert_at;  // the group the next conversion decodes
-  auto convert = [&](int it, uint32_t(&out)[8][4]) {
-    const uint8_t* sw = stages + (it % kStages) * kStageBytes + kStageA;
-    const int valid = kInt4 ? 0 : p.scale_blocks - convert_at.k * kBlocksPerGroup;
-    convert_at.advance(groups);
-    stage_a_operand<F>(sw, sw + kStageW, r0, tig, valid, out);
+  auto convert = [&](int it, uint32_t(&out)[8][4]) {  // (FP4)
+    if constexpr (!kInt4) {
+      const uint8_t* sw = stages + (it % kStages) * kStageBytes + kStageA;
+      const int valid = p.scale_blocks - convert_at.k * kBlocksPerGroup;
+      convert_at.advance(groups);
+      stage_a_operand<F>(sw, sw + kStageW, r0, tig, valid, out);
+    }
   };
 
   GroupedTile t{0, 0, 0, 0};
@@ -357,10 +350,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       wgmma_fence();
 #pragma unroll
       for (int k = 4; k < 8; ++k) wgmma_k16<TILE_N>(part, a[k], desc1 + 2 * (k - 4), 1);
-    } else if constexpr (kInt4) {
-      fence_operands(part);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) wgmma_k16<TILE_N>(part, a[k], k < 4 ? desc0 + 2 * k : desc1 + 2 * (k - 4), k > 0);
     } else {
       fence_operands(acc);
 #pragma unroll
