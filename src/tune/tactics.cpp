@@ -238,13 +238,13 @@ Tactic select_tactic(const GemmProblem& problem) {
   const double mu = static_cast<double>(rows) / static_cast<double>(experts);
   Tactic t;
   if (problem.bf16_activations) {
-    t = rows_per_expert <= kBf16N8MaxRows                                             ? make(Family::kDecode, 128, 8, 256)
-        : rows_per_expert <= kBf16N16MaxRows                                          ? make(Family::kDecode, 128, 16, 256)
-        : rows_per_expert <= kBf16N24MaxRows                                          ? make(Family::kDecode, 128, 24, 256)
-        : rows_per_expert <= kBf16N32MaxRows                                          ? make(Family::kDecode, 128, 32, 256)
-        : wgmma_tile_pays(64, mu, experts, kBf16WgmmaN64TileCost)                     ? make(Family::kPrefill, 128, 64, 128)
-        : wgmma_n160_pays(mu, experts, kBf16WgmmaN160TileCost)                        ? make(Family::kPrefill, 128, 160, 128)
-                                                                                      : make(Family::kPrefill, 128, 128, 128);
+    t = rows_per_expert <= kBf16N8MaxRows                            ? make(Family::kDecode, 128, 8, 256)
+        : rows_per_expert <= kBf16N16MaxRows                         ? make(Family::kDecode, 128, 16, 256)
+        : rows_per_expert <= kBf16N24MaxRows                         ? make(Family::kDecode, 128, 24, 256)
+        : rows_per_expert <= kBf16N32MaxRows                         ? make(Family::kDecode, 128, 32, 256)
+        : wgmma_tile_pays(64, mu, experts, kBf16WgmmaN64TileCost)    ? make(Family::kPrefill, 128, 64, 128)
+        : wgmma_n160_pays(mu, experts, kBf16WgmmaN160TileCost)       ? make(Family::kPrefill, 128, 160, 128)
+                                                                     : make(Family::kPrefill, 128, 128, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     const int64_t hit = rows < experts ? rows : experts;
     const bool small_grid = rows > 0 && hit * feature_tiles(problem.n) < kHopperSms;

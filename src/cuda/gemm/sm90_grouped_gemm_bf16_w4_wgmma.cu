@@ -73,7 +73,8 @@ struct Shape {
   static constexpr int kStageBytes = kStageA + kStageW + kStageS;  // 25 KB (64 tokens), 41 KB (128), 49 KB (160)
   static constexpr int kStages = TILE_N == 64 ? 8 : TILE_N == 128 ? 5 : 4;
   static constexpr int kBarrierBytes = 2 * kStages * 8;
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes;  // + alignment slack
+  // + 1 KB of alignment slack
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes;
   static_assert(kStageBytes % 1024 == 0 && kBox % 1024 == 0, "activation boxes stay 1024-byte aligned (128B swizzle)");
   static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
 };
@@ -422,8 +423,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
 template <W4Format F>
 void launch_wgmma(const Bf16W4Params& params, int tile_n, bool fp32_out, int64_t rows, cudaStream_t stream) {
   using namespace wgmma_bf16;
-  QMOE_CHECK_ARG(params.scatter.out == nullptr, "scatter", "a decode tile for the fused finalize (the WGMMA tile stores)",
-                 "a WGMMA tile");
+  QMOE_CHECK_ARG(params.scatter.out == nullptr, "scatter",
+                 "a decode tile for the fused finalize (the WGMMA tiles store)", "a WGMMA tile");
   QMOE_CHECK_ARG(tile_n == 64 || tile_n == 128 || tile_n == 160, "tactic", "a WGMMA token tile of 64, 128 or 160",
                  std::to_string(tile_n));
   Params tp;
