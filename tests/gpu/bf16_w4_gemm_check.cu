@@ -7,7 +7,8 @@
 // N not a multiple of 128, K tails (FP4: K % 128 != 0, K / block % 4 != 0), random row scales, fp32
 // and bf16 outputs poisoned with NaN. Reference: fp64 sums of exact products on the host (int4: the
 // group promotion, one fp32 FMA per group). Passes when rel RMS <= 1e-5 (fp32 out) / 4e-3 (bf16),
-// no NaN inside groups, and the rows after the last group still hold the poison.
+// no NaN inside groups, and the rows after the last group still hold the poison. The prefill (WGMMA) tiles
+// refuse a fused-finalize scatter with an error, before any launch.
 // Timing (--bench [max T]): GEMM1-like (N 4096, K 7168) and GEMM2-like (N 7168, K 2048), E 256, top-8
 // uniform routing, T in {1, 8, 64, 512, 4096}, every tactic; median of 20 launches over 8 rotated
 // routings. QMOE_BENCH_SHAPES / QMOE_BENCH_T (bench_env.h) replace the shapes / the token list (the
@@ -218,6 +219,51 @@ void run_case(const Case& c, const qmoe::Tactic& tactic, uint32_t seed) {
   for (void* p : std::initializer_list<void*>{d, da, db, ds, drs, doff, dsz}) CHECK_CUDA(cudaFree(p));
 }
 
+// The WGMMA (prefill) tiles have no fused-finalize scatter: asked for one, the op raises an error that names
+// `scatter` before anything is launched (d keeps its poison). The pipeline never asks (decode tiles only).
+void check_prefill_tiles_refuse_scatter() {
+  const int N = 128, K = 128;
+  std::vector<uint8_t> zeros(N * K, 0);
+  std::vector<int32_t> offsets = {0}, sizes = {N, 1, K}, slot = {0};
+  std::vector<float> weights = {1.f};
+  uint8_t* da = upload(zeros);
+  uint8_t* db = upload(zeros);
+  uint8_t* ds = upload(zeros);
+  int32_t* doff = upload(offsets);
+  int32_t* dsz = upload(sizes);
+  int32_t* dslot = upload(slot);
+  float* dw = upload(weights);
+  void *d = nullptr, *out = nullptr;
+  CHECK_CUDA(cudaMalloc(&d, N * 2));
+  CHECK_CUDA(cudaMalloc(&out, N * 2));
+  CHECK_CUDA(cudaMemset(d, 0xFF, N * 2));
+  qmoe::GemmProblem any;
+  any.n = N, any.k = K, any.num_experts = 1, any.bf16_activations = true;
+  for (const qmoe::Tactic& t : qmoe::valid_tactics(any)) {
+    if (t.family != qmoe::Tactic::Family::kPrefill) continue;
+    qmoe::cuda::Bf16W4GemmArgs args;
+    args.a = da, args.b = db, args.b_scales = ds, args.format = W4Format::kNvfp4, args.d = d;
+    args.expert_offsets = doff, args.problem_sizes = dsz, args.num_experts = 1, args.n = N, args.k = K;
+    args.max_rows = 1;
+    args.scatter.out = out, args.scatter.row_slot = dslot, args.scatter.topk_weights = dw, args.scatter.cols = N;
+    std::string error;
+    try {
+      qmoe::cuda::bf16_w4_moe_mm(args, t, nullptr);
+    } catch (const std::exception& ex) {
+      error = ex.what();
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<uint16_t> got(N);
+    CHECK_CUDA(cudaMemcpy(got.data(), d, N * 2, cudaMemcpyDeviceToHost));
+    const bool untouched = std::all_of(got.begin(), got.end(), [](uint16_t v) { return v == 0xFFFF; });
+    const bool ok = error.find("scatter") != std::string::npos && untouched;
+    failures += ok ? 0 : 1;
+    std::printf("%s scatter refused by %-22s %s\n", ok ? "ok  " : "FAIL", t.name().c_str(),
+                error.empty() ? "(no error)" : "");
+  }
+  for (void* p : std::initializer_list<void*>{da, db, ds, doff, dsz, dslot, dw, d, out}) CHECK_CUDA(cudaFree(p));
+}
+
 __global__ void fill_random(uint8_t* p, int64_t n, uint32_t seed, uint8_t lo, uint8_t span) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
@@ -334,6 +380,7 @@ int main(int argc, char** argv) {
   for (const Case& c : cases)
     for (const qmoe::Tactic& t : qmoe::valid_tactics(any))
       if (!bench_only) run_case(c, t, seed++);
+  if (!bench_only) check_prefill_tiles_refuse_scatter();
   std::printf("\ncorrectness: %s (%d failures)\n", failures == 0 ? "PASS" : "FAIL", failures);
   if (do_bench) {
     std::printf("\n| format | gemm  | T     | tactic (* = heuristic)  | us        | TB/s   | TFLOP/s |\n"
