@@ -336,8 +336,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     float s0 = 0.f, s1 = 0.f;
     if constexpr (kInt4) {
       const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + kStageA + kStageW);
-      s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
-      s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
+      s0 = group_scale(ss, p.scales_packed4, r0, g);
+      s1 = group_scale(ss, p.scales_packed4, r1, g);
     }
     const bool more = it + 1 < total_iters;
     if (kOverlap && more) wait_full(it + 1);
@@ -370,15 +370,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     if constexpr (kInt4) fence_operands(part);
     fence_operands(acc);
     mbar_arrive(&empty[s]);  // this thread is done with stage s (weights and scales in registers)
-    if constexpr (kInt4) {
-#pragma unroll
-      for (int j = 0; j < kTileN / 8; ++j) {
-        acc[4 * j + 0] = fmaf(s0, part[4 * j + 0], acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(s0, part[4 * j + 1], acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(s1, part[4 * j + 2], acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(s1, part[4 * j + 3], acc[4 * j + 3]);
-      }
-    }
+    if constexpr (kInt4) promote_group(acc, part, s0, s1);
     if (g == groups - 1) {
       // Epilogue: D[row, r0 + {0, 1}] = out(s[row] * (post * acc)), one paired store per token; then zero.
       constexpr float kPost = F == W4Format::kNvfp4 ? 256.0f : 1.0f;  // undoes the 2^-8 of the NVFP4 decode

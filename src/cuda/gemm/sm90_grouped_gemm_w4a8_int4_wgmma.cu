@@ -224,8 +224,8 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
     const int g = step_at.k, tile_index = step_at.tile;
     step_at.advance(groups);
     if constexpr (!kOverlapConvert) convert(it, a);
-    const float s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
-    const float s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
+    const float s0 = wgmma::group_scale(ss, p.scales_packed4, r0, g);
+    const float s1 = wgmma::group_scale(ss, p.scales_packed4, r1, g);
     const uint64_t desc = make_desc_sw128(smem_u32(st));
     wgmma_fence();
     fence_operands(part);
@@ -235,14 +235,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
     if (kOverlapConvert && it + 1 < total_iters) convert(it + 1, a_next);
     wgmma_wait_all();
     fence_operands(part);
-    // Group promotion (fp32 FMA with the bf16 scale of the row, g increasing).
-#pragma unroll
-    for (int j = 0; j < kTileN / 8; ++j) {
-      acc[4 * j + 0] = fmaf(s0, part[4 * j + 0], acc[4 * j + 0]);
-      acc[4 * j + 1] = fmaf(s0, part[4 * j + 1], acc[4 * j + 1]);
-      acc[4 * j + 2] = fmaf(s1, part[4 * j + 2], acc[4 * j + 2]);
-      acc[4 * j + 3] = fmaf(s1, part[4 * j + 3], acc[4 * j + 3]);
-    }
+    promote_group(acc, part, s0, s1);  // fp32 FMA with the bf16 scale of the row, g increasing
 
     if (g == groups - 1) {
       const GroupedTile t = tiles[tile_index];
@@ -424,8 +417,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     const uint8_t* st = stages + s * S::kStageBytes;
     const uint64_t desc = wgmma::make_desc_sw128(wgmma::smem_u32(st));
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
-    const float s0 = __bfloat162float(p.scales_packed4 ? ss[r0 * 4 + (g & 3)] : ss[r0]);
-    const float s1 = __bfloat162float(p.scales_packed4 ? ss[r1 * 4 + (g & 3)] : ss[r1]);
+    const float s0 = wgmma::group_scale(ss, p.scales_packed4, r0, g);
+    const float s1 = wgmma::group_scale(ss, p.scales_packed4, r1, g);
     const bool more = it + 1 < total_iters;
     if (kOverlapConvert && more) wait_full(it + 1);
     wgmma::wgmma_fence();
@@ -442,13 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       wait_full(it + 1);
       convert(it + 1, a_next);
     }
-#pragma unroll
-    for (int j = 0; j < TILE_N / 8; ++j) {
-      acc[4 * j + 0] = fmaf(s0, part[4 * j + 0], acc[4 * j + 0]);
-      acc[4 * j + 1] = fmaf(s0, part[4 * j + 1], acc[4 * j + 1]);
-      acc[4 * j + 2] = fmaf(s1, part[4 * j + 2], acc[4 * j + 2]);
-      acc[4 * j + 3] = fmaf(s1, part[4 * j + 3], acc[4 * j + 3]);
-    }
+    wgmma::promote_group(acc, part, s0, s1);
     if (g == groups - 1) {
       if constexpr (kAct) {
         // Fused epilogue: park h (once the loading warpgroup has taken the previous tile's), signal,

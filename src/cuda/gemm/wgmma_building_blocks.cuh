@@ -57,6 +57,25 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// int4 group scale (bf16 -> fp32) of weight row r for group g in a stage's scale tile: packed-4 rows of 4 bf16
+// (SGLang's K % 512 == 0 layout) or one bf16 per row.
+__device__ __forceinline__ float group_scale(const __nv_bfloat16* ss, bool packed4, int r, int g) {
+  return __bfloat162float(packed4 ? ss[r * 4 + (g & 3)] : ss[r]);
+}
+
+// Group promotion (SGLang's order): acc += S * part, one fp32 FMA per value, g increasing. part is one
+// wgmma accumulator (4 values per 8 token columns: rows r0, r0, r0 + 1, r0 + 1), s0 / s1 the scales of r0 / r0 + 1.
+template <int N>
+__device__ __forceinline__ void promote_group(float (&acc)[N], const float (&part)[N], float s0, float s1) {
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) {
+    acc[4 * j + 0] = fmaf(s0, part[4 * j + 0], acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(s0, part[4 * j + 1], acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(s1, part[4 * j + 2], acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(s1, part[4 * j + 3], acc[4 * j + 3]);
+  }
+}
+
 // Visits this thread's accumulators of tile t once: f(token column c, a_scale of its row, accumulator
 // of row r0, accumulator of row r1) for the token columns c = 8 j + 2 tig + h inside the tile's rows,
 // then zeroes every accumulator (also past the rows) for the next tile.
