@@ -1,7 +1,8 @@
 // Launcher of the bf16 x 4-bit grouped GEMM (sm90_grouped_gemm_bf16_w4.cu): the GEMM of the fused
 // MoE's w4a16, w4a16_int4, w4a4 and w4a8 (MX) modes. Hopper has no FP4 tensor cores, so every
 // operand is decoded to bf16 (exactly: DESIGN.md 3, "exactness facts") and multiplied by bf16
-// mma.sync with fp32 accumulation:
+// tensor-core MMAs with fp32 accumulation (mma.sync decode tiles; WGMMA prefill tiles,
+// sm90_grouped_gemm_bf16_w4_wgmma.cu):
 //
 //   int4-g128 : D[r, n] = out( s[r] * sum_g S[e, n, g] * (sum_{k in g} A[r, k] * q[e, n, k]) )
 //               (SGLang's group promotion, g increasing; S bf16 in SGLang's stored layout, 3.1)
