@@ -63,7 +63,7 @@ constexpr int kThreads = 128 * (1 + kConsumers);        // + the loading warpgro
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // setmaxnreg: 128 * 40 + 256 * 232 <= 65536
 constexpr int kStageS = 1024;  // int4 packed-4: 128 rows x 8 bytes; NVFP4: two 512-byte chunks
 
-// TILE_N tokens per tile (the wgmma N): 128; 160 for experts whose rows fill 160-token tiles better; 64.
+// TILE_N tokens per tile (the wgmma N): 64, 128 or 160, chosen by expected token tiles per expert (tactics.cpp).
 template <int TILE_N>
 struct Shape {
   static_assert(TILE_N == 64 || TILE_N == 128 || TILE_N == 160, "wgmma m64n64k16, m64n128k16 or m64n160k16");
@@ -326,7 +326,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   GroupedTile t{0, 0, 0, 0};
   TileStep step_at;  // the group and tile the next step computes
   // One K group: its 8 wgmmas on the A operand `a` (decoded earlier); while they run, the next stage's
-  // weights become `a_next`; then (int4) the promotion, and the epilogue after the tile's last group.
+  // weights become `a_next` (int4: in halves, see kOverlap); then (int4) the promotion, and the epilogue
+  // after the tile's last group.
   auto step = [&](int it, uint32_t(&a)[8][4], uint32_t(&a_next)[8][4]) {
     const int g = step_at.k, tile_index = step_at.tile, s = it % kStages;
     if (g == 0) t = tiles[tile_index];
