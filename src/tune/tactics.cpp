@@ -56,7 +56,7 @@ const std::vector<Tactic>& compiled() {
       // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
       make(Family::kPrefill, 128, 128, 128),
       // WGMMA with 160-token tiles (the same kernel, m64n160k32): chosen above 48 rows per expert where
-      // its expected tile count wins (wgmma_n160_pays).
+      // its expected tile count wins (wgmma_tile_pays).
       make(Family::kPrefill, 128, 160, 128),
       // WGMMA with 64-token tiles (two CTAs per SM): chosen for 27-48 rows per expert.
       make(Family::kPrefill, 128, 64, 128),
@@ -207,7 +207,6 @@ bool wgmma_tile_pays(int tile, double mu, int64_t experts, double cost) {
   const double sigma = std::sqrt(mu * (1.0 - 1.0 / static_cast<double>(experts)));
   return cost * expected_token_tiles(mu, sigma, tile) < expected_token_tiles(mu, sigma, 128);
 }
-bool wgmma_n160_pays(double mu, int64_t experts, double cost) { return wgmma_tile_pays(160, mu, experts, cost); }
 // Feature tiles of 128 weight rows per expert.
 int64_t feature_tiles(int64_t n) { return (n + 127) / 128; }
 // The 128-row tiles of `experts` experts fit in one wave of two CTAs per SM (the n24 / n32 tiles' occupancy).
@@ -243,7 +242,7 @@ Tactic select_tactic(const GemmProblem& problem) {
         : rows_per_expert <= kBf16N24MaxRows                         ? make(Family::kDecode, 128, 24, 256)
         : rows_per_expert <= kBf16N32MaxRows                         ? make(Family::kDecode, 128, 32, 256)
         : wgmma_tile_pays(64, mu, experts, kBf16WgmmaN64TileCost)    ? make(Family::kPrefill, 128, 64, 128)
-        : wgmma_n160_pays(mu, experts, kBf16WgmmaN160TileCost)       ? make(Family::kPrefill, 128, 160, 128)
+        : wgmma_tile_pays(160, mu, experts, kBf16WgmmaN160TileCost)  ? make(Family::kPrefill, 128, 160, 128)
                                                                      : make(Family::kPrefill, 128, 128, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     const int64_t hit = rows < experts ? rows : experts;
@@ -260,8 +259,8 @@ Tactic select_tactic(const GemmProblem& problem) {
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {
     t = make(Family::kPrefill, 128, 64, 128);  // WGMMA, 64-token tiles, two CTAs per SM
   } else {
-    t = wgmma_n160_pays(mu, experts, kWgmmaN160TileCost) ? make(Family::kPrefill, 128, 160, 128)  // WGMMA, 160 tokens
-                                     : make(Family::kPrefill, 128, 128, 128);  // WGMMA, 128-token tiles
+    t = wgmma_tile_pays(160, mu, experts, kWgmmaN160TileCost) ? make(Family::kPrefill, 128, 160, 128)  // WGMMA, 160
+                                                              : make(Family::kPrefill, 128, 128, 128);  // ... 128
   }
   if (log_enabled()) {
     static std::mutex mutex;
