@@ -87,12 +87,17 @@ __device__ __forceinline__ __nv_bfloat162 bf2(uint32_t v) { return *reinterpret_
 // Nibbles i and i + 4 of w as bf16x2 (low half: nibble i).
 template <W4Format F>
 __device__ __forceinline__ uint32_t decode_pair(uint32_t w, int i, uint32_t scale2) {
-  const uint32_t t = (w >> (4 * i)) & 0x000F000Fu;
   if constexpr (F == W4Format::kInt4G128) {
+    const uint32_t t = (w >> (4 * i)) & 0x000F000Fu;
     // Two's complement nibble u: q + 8 = u ^ 8, and 0x4300 | (q + 8) is the bf16 128 + q + 8.
     return bits(__hsub2(bf2(t ^ 0x43084308u), bf2(0x43084308u)));  // (128 + q + 8) - 136
   } else {
-    const uint32_t e = (t * 0x1040u) & 0x81C081C0u;  // (t << 6) | (t << 12): magnitude 8..6, sign 15
+    // Nibbles 2, 3, 6, 7 first move to 0, 1, 4, 5 by one byte permute (shared by pairs 2 and 3); a nibble
+    // at bits 0..3 (4..7) of a half goes to magnitude 8..6 and sign 15 by one multiply with 0x1040
+    // (0x104): two disjoint shifted copies, no carries.
+    const uint32_t v = i >= 2 ? prmt(w, 0u, 0x4341u) : w;  // bytes 1, 3 of w to bytes 0, 2
+    const uint32_t t = v & (0x000F000Fu << (4 * (i & 1)));
+    const uint32_t e = (t * ((i & 1) ? 0x104u : 0x1040u)) & 0x81C081C0u;
     if constexpr (F == W4Format::kNvfp4) {
       return bits(__hmul2(bf2(e), bf2(scale2)));
     } else {
