@@ -106,6 +106,17 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t w, int i, uint32_t scal
   }
 }
 
+// NVFP4: the two e4m3 scale bytes of `two` (low byte first) as bf16x2 splats of sf * 2^118: one paired
+// e4m3 -> f16 conversion, one bf16x2 multiply (exact: e4m3 fits f16 and bf16, 2^118 * 448 < 2^127; 0 and NaN
+// stay 0 and NaN). The splats compile to half selectors of the one register in the decode's multiplies.
+__device__ __forceinline__ void nvfp4_scale_splats(uint32_t two, uint32_t& s0, uint32_t& s1) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  const __nv_bfloat162 both = __hmul2(__floats2bfloat162_rn(f.x, f.y), bf2(0x7A807A80u));  // * 2^118
+  s0 = bits(__low2bfloat162(both));
+  s1 = bits(__high2bfloat162(both));
+}
+
 // Splat bf16x2 of a scale byte. NVFP4: bf16(e4m3 * 2^118); MXFP4: bf16 2^(s - 127).
 template <W4Format F>
 __device__ __forceinline__ uint32_t scale_splat(uint32_t byte) {
@@ -351,10 +362,11 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
             if constexpr (F == W4Format::kNvfp4) {
               const int blk = gg * 8 + 2 * tig;  // stage-local block of words 0, 1 (+1 for words 2, 3)
               const int gblk = g * 8 + 2 * tig;
-              const uint16_t two =
-                  *reinterpret_cast<const uint16_t*>(ss + (blk / 4) * 512 + row_off + (blk % 4));
-              sc[mf][h][0] = gblk < p.scale_blocks ? scale_splat<F>(two & 0xffu) : 0u;
-              sc[mf][h][1] = gblk + 1 < p.scale_blocks ? scale_splat<F>(two >> 8) : 0u;
+              // Blocks past K read as scale 0 (e4m3 0): a mask on the bytes, the same for every row.
+              const uint32_t keep = gblk + 1 < p.scale_blocks ? 0xffffu : gblk < p.scale_blocks ? 0xffu : 0u;
+              const uint32_t two =
+                  *reinterpret_cast<const uint16_t*>(ss + (blk / 4) * 512 + row_off + (blk % 4)) & keep;
+              nvfp4_scale_splats(two, sc[mf][h][0], sc[mf][h][1]);
             } else {
               const int blk = gg * 4 + tig;
               const uint8_t one = ss[(blk / 4) * 512 + row_off + (blk % 4)];
