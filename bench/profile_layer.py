@@ -1,8 +1,9 @@
-"""Per-kernel time of one fused MoE layer (qmoe.fused_moe, w4a8_int4) with torch.profiler.
+"""Per-kernel time of one fused MoE layer (qmoe.fused_moe, any quant mode) with torch.profiler.
 
 Shows where a layer's time goes beyond the two GEMMs (the glue kernels). Usage on the GPU machine:
-    PYTHONPATH=build/device/pkg python3 bench/profile_layer.py [model:T ...]
-Default: deepseek_v3:1 deepseek_v3:64 qwen3_30b_a3b:1 qwen3_30b_a3b:64. Weights of one set only
+    PYTHONPATH=build/device/pkg python3 bench/profile_layer.py [model:T[:quant_mode] ...]
+Default: deepseek_v3:1 deepseek_v3:64 qwen3_30b_a3b:1 qwen3_30b_a3b:64 (w4a8_int4), then qwen3_30b_a3b:1,
+deepseek_v3:64 and qwen3_30b_a3b:4096 in w4a4. Weights of one set only
 (L2-warm for small models: this is a breakdown, not the benchmark; bench/ has the real numbers).
 """
 import sys
@@ -11,19 +12,20 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import qmoe
-from qmoe.bench.moe import A2_STATIC, _routing_weights, make_qmoe_weights
+from qmoe.bench import common
+from qmoe.bench.moe import _routing_weights, make_qmoe_weights
 from qmoe.testing import MODEL_SHAPES
 
 
-def run(model: str, tokens: int, iters: int = 20) -> None:
+def run(model: str, tokens: int, mode: str = "w4a8_int4", iters: int = 20) -> None:
     experts, topk, hidden, inter = MODEL_SHAPES[model]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w = make_qmoe_weights(torch, experts, hidden, inter, gen, "cuda")
+    w = make_qmoe_weights(torch, experts, hidden, inter, gen, "cuda", mode)
     ids = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:topk] for _ in range(tokens)]).int()
     wts = _routing_weights(torch, tokens, topk, gen, "cuda")
-    x = torch.randn((tokens, hidden), device="cuda", generator=gen, dtype=torch.bfloat16)
-    kw = dict(w, x=x, topk_ids=ids, topk_weights=wts, quant_mode="w4a8_int4", num_experts=experts,
-              x_scale=(x.abs().amax().float() / 448).reshape(1), fc2_input_scale=torch.full((1,), A2_STATIC, device="cuda"))
+    act = common.make_mode_activations(torch, mode, tokens, hidden, gen, "cuda")
+    kw = dict(w, **act, topk_ids=ids, topk_weights=wts, quant_mode=mode, num_experts=experts,
+              gate_up_layout=common.mode_gate_up_layout(mode, inter))
     out = torch.empty((tokens, hidden), device="cuda", dtype=torch.bfloat16)
     # Profiled without PDL: with it a kernel starts early and its time includes the wait for the one before.
     for _ in range(3):
@@ -33,7 +35,7 @@ def run(model: str, tokens: int, iters: int = 20) -> None:
         for _ in range(iters):
             qmoe.fused_moe(**kw, deterministic=True, out=out, enable_pdl=False)
         torch.cuda.synchronize()
-    print(f"\n## {model} T={tokens} (E={experts}, k={topk}, H={hidden}, I={inter}); us per layer call")
+    print(f"\n## {model} T={tokens} {mode} (E={experts}, k={topk}, H={hidden}, I={inter}); us per layer call")
     total = 0.0
     rows = []
     for e in prof.key_averages():
@@ -66,7 +68,8 @@ def run(model: str, tokens: int, iters: int = 20) -> None:
 
 
 if __name__ == "__main__":
-    specs = sys.argv[1:] or ["deepseek_v3:1", "deepseek_v3:64", "qwen3_30b_a3b:1", "qwen3_30b_a3b:64"]
+    specs = sys.argv[1:] or ["deepseek_v3:1", "deepseek_v3:64", "qwen3_30b_a3b:1", "qwen3_30b_a3b:64",
+                             "qwen3_30b_a3b:1:w4a4", "deepseek_v3:64:w4a4", "qwen3_30b_a3b:4096:w4a4"]
     for spec in specs:
-        m, t = spec.split(":")
-        run(m, int(t))
+        m, t, *mode = spec.split(":")
+        run(m, int(t), *mode)

@@ -75,6 +75,8 @@ const std::vector<Tactic>& compiled_bf16() {
       make(Family::kPrefill, 128, 64, 128), make(Family::kDecode, 128, 32, 256), make(Family::kDecode, 128, 24, 256),
       // WGMMA bf16 m64n{64,128,160}k16: 128 weight rows x 64, 128 or 160 tokens (sm90_grouped_gemm_bf16_w4_wgmma.cu).
       make(Family::kPrefill, 128, 128, 128), make(Family::kPrefill, 128, 160, 128),
+      // 64 weight rows x 8 tokens for grids below one CTA per SM (the n8 tile's sums, twice the CTAs).
+      make(Family::kDecode, 64, 8, 256),
   };
   return list;
 }
@@ -236,8 +238,11 @@ Tactic select_tactic(const GemmProblem& problem) {
   const bool one_wave = one_wave_of_tiles(experts, problem.n);
   const double mu = static_cast<double>(rows) / static_cast<double>(experts);
   Tactic t;
+  const int64_t hit = rows < experts ? rows : experts;
+  const bool small_grid = rows > 0 && hit * feature_tiles(problem.n) < kHopperSms;  // n8: under one CTA per SM
   if (problem.bf16_activations) {
-    t = rows_per_expert <= kBf16N8MaxRows                            ? make(Family::kDecode, 128, 8, 256)
+    t = rows_per_expert <= kBf16N8MaxRows && small_grid              ? make(Family::kDecode, 64, 8, 256)
+        : rows_per_expert <= kBf16N8MaxRows                          ? make(Family::kDecode, 128, 8, 256)
         : rows_per_expert <= kBf16N16MaxRows                         ? make(Family::kDecode, 128, 16, 256)
         : rows_per_expert <= kBf16N24MaxRows                         ? make(Family::kDecode, 128, 24, 256)
         : rows_per_expert <= kBf16N32MaxRows                         ? make(Family::kDecode, 128, 32, 256)
@@ -245,8 +250,6 @@ Tactic select_tactic(const GemmProblem& problem) {
         : wgmma_tile_pays(160, mu, experts, kBf16WgmmaN160TileCost)  ? make(Family::kPrefill, 128, 160, 128)
                                                                      : make(Family::kPrefill, 128, 128, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
-    const int64_t hit = rows < experts ? rows : experts;
-    const bool small_grid = rows > 0 && hit * feature_tiles(problem.n) < kHopperSms;
     t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);
   } else if (one_wave && rows_per_expert >= kDecodeN24OneWaveMinRows && rows_per_expert <= kDecodeN24OneWaveMaxRows) {
     t = make(Family::kDecode, 128, 24, 256);

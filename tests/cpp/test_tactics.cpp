@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -213,8 +214,20 @@ TEST(Tactics, Bf16KernelList) {
   for (const auto& t : qmoe::valid_tactics(p)) names.push_back(t.name());
   EXPECT_EQ(names, (std::vector<std::string>{"decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128",
                                               "decode_m128_n32_k256", "decode_m128_n24_k256", "prefill_m128_n128_k128",
-                                              "prefill_m128_n160_k128"}));
-  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
+                                              "prefill_m128_n160_k128", "decode_m64_n8_k256"}));
+  // 4 rows on 4 experts x 32 feature tiles: under one CTA per SM, the 64-row tile (twice the CTAs).
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m64_n8_k256");
+  for (const auto& [experts, rows, n, name] : std::vector<std::tuple<int64_t, int64_t, int64_t, std::string>>{
+           {128, 8, 1536, "decode_m64_n8_k256"},    // Qwen3-30B GEMM1, T = 1: 8 x 12 tiles
+           {128, 8, 2048, "decode_m64_n8_k256"},    // Qwen3-30B GEMM2: 8 x 16 = 128 < 132
+           {8, 2, 4096, "decode_m64_n8_k256"},      // Mixtral GEMM2, T = 1: 2 x 32 tiles
+           {256, 8, 4096, "decode_m128_n8_k256"},   // DeepSeek-V3 GEMM1, T = 1: 256 tiles
+           {8, 2, 28672, "decode_m128_n8_k256"},    // Mixtral GEMM1, T = 1: 2 x 224 tiles
+           {128, 64, 1536, "decode_m128_n8_k256"}}) {  // Qwen3-30B GEMM1, T = 8: up to 64 experts hit
+    qmoe::GemmProblem q = p;
+    q.num_experts = experts, q.total_rows = rows, q.n = n;
+    EXPECT_EQ(qmoe::select_tactic(q).name(), name) << experts << " experts, " << rows << " rows, N " << n;
+  }
   // The measured switches (tactics.cpp, kBf16*): n8 up to 6 rows per expert, n16 up to 13, n24 up to
   // 18, n32 up to 28, then the WGMMA tiles by their expected tile counts: 64 tokens up to ~56 rows, 128,
   // and 160 around 128 rows.

@@ -44,7 +44,8 @@ MODES = ("w4a16", "w4a16_int4", "w4a4", "w4a8")
 FP4_MODES = ("w4a16", "w4a4", "w4a8")
 # The bf16 x 4-bit GEMM's compiled tactics (NOTE: src/tune/tactics.cpp compiled_bf16(), one for one).
 BF16_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128", "decode_m128_n32_k256",
-                "decode_m128_n24_k256", "prefill_m128_n128_k128", "prefill_m128_n160_k128")
+                "decode_m128_n24_k256", "prefill_m128_n128_k128", "prefill_m128_n160_k128",
+                "decode_m64_n8_k256")
 W4A8_ONLY_TACTIC = "decode_m64_n32_k512"  # compiled for the int4 x e4m3 GEMM only
 
 _ERRORS = defaultdict(list)  # mode -> [(rel_rms, max_rel, what)]

@@ -505,7 +505,8 @@ def test_wrapper_get_valid_tactics():
 
 def test_bf16_kernel_tactics_are_their_own_list():
     assert BF16_TACTICS == ["decode_m128_n8_k256", "decode_m128_n16_k256", "prefill_m128_n64_k128", "decode_m128_n32_k256",
-                            "decode_m128_n24_k256", "prefill_m128_n128_k128", "prefill_m128_n160_k128"]
+                            "decode_m128_n24_k256", "prefill_m128_n128_k128", "prefill_m128_n160_k128",
+                            "decode_m64_n8_k256"]
     assert qmoe.select_tactic(4096, 7168, 8, 256, bf16_activations=True) == "decode_m128_n8_k256"
     assert qmoe.select_tactic(4096, 7168, 4096 * 8, 256, bf16_activations=True) == "prefill_m128_n160_k128"  # 128 rows
     assert qmoe.valid_tactics(4096, 2880, 8, 128, bf16_activations=True) == BF16_TACTICS  # K % 32 == 0

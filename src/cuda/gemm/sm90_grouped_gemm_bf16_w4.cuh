@@ -65,7 +65,7 @@ using w4a8::cp_async_commit;
 using w4a8::cp_async_wait;
 
 constexpr int kGroup = 128;
-constexpr int kTileRows = 128;  // TILE_M: the swizzled scale layout's 128-row tiles are one tile
+constexpr int kTileRows = 128;  // the swizzled FP4 scale layout's row tiles (TILE_M is 128 or 64: half of one)
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -153,7 +153,7 @@ struct Config {
   static constexpr int kSplitBytes = (WARPS_K - 1) * WARPS_M * WARPS_N * 32 * MF * NF * 4 * 4;
   static constexpr int kSmemBytes = kTileStartBytes + STAGES * kStageBytes + kSplitBytes;
   static_assert(GPS % WARPS_K == 0, "every K warp takes the same number of groups of a stage");
-  static_assert(kTileM == kTileRows, "the FP4 scale tiles are 128 rows");
+  static_assert(kTileM == kTileRows || kTileM == kTileRows / 2, "a tile is one FP4 scale tile or half of one");
   static_assert(GPS == 1 || GPS == 2 || GPS == 4, "stages cover whole packed-4 scale blocks or lie in one");
   static_assert(kStageS / 16 <= kThreads, "one scale copy per thread");
   static_assert(kStageB % 128 == 0 && kStageA % 128 == 0 && kStageS % 128 == 0, "stages keep 128-byte alignment");
@@ -180,6 +180,11 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   extern __shared__ __align__(128) uint8_t smem[];
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem);
   uint8_t* stages = smem + Cfg::kTileStartBytes;
+  // 64-row tiles with FP4 scales: the stage's 512-byte scale chunks are whole 128-row scale tiles; the tile's
+  // rows start at stage_scale_row[stage] (0 or 64) of them (written with the stage's copies, by thread 0).
+  constexpr bool kHalfScaleTile = !kInt4 && kTileM < kTileRows;
+  __shared__ int32_t stage_scale_row[kHalfScaleTile ? STAGES : 1];
+  int scale_row = 0;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -250,6 +255,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         s_src = p.b_scales + ((static_cast<int64_t>(t.expert) * mt + t.n0 / kTileRows) * p.scale_col_chunks) * 512 +
                 tid * 16;
         s_valid = tid < Cfg::kStageS / 16;
+        scale_row = t.n0 % kTileRows;
       }
     }
     const int g0 = s * GPS;
@@ -292,6 +298,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       const bool valid = s_valid && chunk < p.scale_col_chunks;
       const uint8_t* src = valid ? s_src + static_cast<int64_t>(g0) * kChunksPerGroup * 512 : p.b_scales;
       cp_async_16(ss + tid * 16, src, valid);
+      if (kHalfScaleTile && tid == 0) stage_scale_row[stage] = scale_row;
     }
     load_at.advance(stages_per_tile);
   };
@@ -353,11 +360,12 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       // FP4 scales of this thread's blocks, per row half: [mf][h][word / 2 (NVFP4) or 0 (MX)].
       uint32_t sc[MF][2][2];
       if constexpr (!kInt4) {
+        const int row_base = kHalfScaleTile ? stage_scale_row[it % STAGES] : 0;
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int r = (warp_m * MF + mf) * 16 + gid + 8 * h;
+            const int r = row_base + (warp_m * MF + mf) * 16 + gid + 8 * h;  // row of the scale tile
             const int row_off = (r % 32) * 16 + (r / 32) * 4;
             if constexpr (F == W4Format::kNvfp4) {
               const int blk = gg * 8 + 2 * tig;  // stage-local block of words 0, 1 (+1 for words 2, 3)

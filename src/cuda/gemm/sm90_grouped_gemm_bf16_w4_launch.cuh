@@ -49,6 +49,8 @@ void launch_out(const Bf16W4Params& params, bool fp32_out, int64_t rows, int dev
 //   decode n8/n16 : 128 rows, 2 groups per stage (128-byte runs of each weight row), 4 stages, 2 CTAs/SM
 //                   (n8 with many tiles: 3 stages x 3 CTAs/SM, n8_tiles_fill_three_per_sm; H200,
 //                   bench/results/2026-11-30_s5a_*: 5-8% faster at T = 8-64)
+//   decode m64 n8 : grids below one CTA per SM (T = 1 on small models, Mixtral GEMM2): 64 rows, 4 warps of
+//                   16 rows (twice the CTAs of n8, the same sums), 6 stages for more bytes in flight per SM
 //   decode n24/n32: n16's warps with three / four token fragments, 3 stages so that two CTAs fit
 //   prefill n64 / n128 / n160: the WGMMA tiles (sm90_grouped_gemm_bf16_w4_wgmma.cu), their own kernel. (The
 //                   mma.sync 64-token tile that n64 named until session 16 was 1.2-1.4x slower at 32-48 rows
@@ -66,6 +68,8 @@ void launch_format(const Bf16W4Params& params, const Tactic& tactic, bool fp32_o
       launch_out<F, 4, 1, 2, 1, 2, 3, 3>(params, fp32_out, rows, device, stream);
     else
       launch_out<F, 4, 1, 2, 1, 2, 4, 2>(params, fp32_out, rows, device, stream);
+  } else if (is(Family::kDecode, 64, 8, 256)) {
+    launch_out<F, 4, 1, 1, 1, 2, 6, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 16, 256)) {
     launch_out<F, 4, 1, 2, 2, 2, 4, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 24, 256)) {
