@@ -425,6 +425,7 @@ int main() {
   for (auto in : {fz::ActivationInput::kBf16, fz::ActivationInput::kNvfp4, fz::ActivationInput::kMxfp8}) {
     check_gather_dequant(in, 1, 8, 256, 7168);
     check_gather_dequant(in, 9, 4, 16, 1056);
+    check_gather_dequant(in, 700, 8, 64, 7168);  // 5600 rows: CTAs loop over rows (capped grid)
   }
   // activation_requant (fp8): every activation, both layouts, static / dynamic a2, I off the chunk.
   for (Activation act : {Activation::kSwiglu, Activation::kGegluTanh, Activation::kRelu2, Activation::kSitu})
@@ -433,6 +434,7 @@ int main() {
         check_requant_fp8(act, layout, 1, 8, 256, 2048, dynamic);
         check_requant_fp8(act, layout, 9, 4, 8, 1152, dynamic);
       }
+  check_requant_fp8(Activation::kSwiglu, GateUpLayout::kUpGateInterleaved64, 700, 8, 64, 2048, false);  // looped grid
   check_requant_fp8(Activation::kRelu2, GateUpLayout::kGateUp, 3, 2, 4, 100, true);  // I % 8 != 0: scalar path
   // activation_requant_bf16: every mode x activation x layout.
   for (auto mode : {fz::Bf16Requant::kBf16, fz::Bf16Requant::kNvfp4, fz::Bf16Requant::kNvfp4PerToken,
@@ -442,6 +444,8 @@ int main() {
         check_requant_bf16(mode, act, layout, 1, 8, 128, 768);
         check_requant_bf16(mode, act, layout, 9, 4, 8, 2176);
       }
+  for (auto mode : {fz::Bf16Requant::kBf16, fz::Bf16Requant::kNvfp4, fz::Bf16Requant::kMxfp8})  // looped grid
+    check_requant_bf16(mode, Activation::kSwiglu, GateUpLayout::kUpGateInterleaved64, 1100, 8, 64, 2048);
   // finalize: both modes, three output dtypes, vector and scalar paths.
   for (bool det : {true, false}) {
     check_finalize<__nv_bfloat16>(DType::kBFloat16, 1, 8, 256, 7168, det, false);

@@ -49,6 +49,17 @@ inline dim3 rows_by_chunks(int64_t rows, int64_t cols, int64_t cols_per_block) {
   return dim3(static_cast<unsigned>(gx > 0 ? gx : 1), static_cast<unsigned>(gy > 0 ? gy : 1));
 }
 
+// The same grid for kernels that take `rows_per_pass` rows per CTA pass (their loads in flight together),
+// capped at ~16 CTAs per SM of a 132-SM GPU so that CTAs loop over rows instead of paying a launch and
+// a prologue per row (prefill: 32K rows x 7 column chunks would be 229K CTAs).
+inline dim3 rows_by_chunks_looped(int64_t rows, int64_t cols, int64_t cols_per_block, int64_t rows_per_pass) {
+  constexpr int64_t kResidentCtas = 132 * 16;
+  dim3 g = rows_by_chunks((rows + rows_per_pass - 1) / rows_per_pass, cols, cols_per_block);
+  const int64_t cap = kResidentCtas / g.x > 0 ? kResidentCtas / g.x : 1;
+  if (g.y > cap) g.y = static_cast<unsigned>(cap);
+  return g;
+}
+
 inline bool aligned_to(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // ---- e4m3 encoding ------------------------------------------------------------------------------

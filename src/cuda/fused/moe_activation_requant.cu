@@ -24,7 +24,9 @@
 // e2m1 code now and then, far inside the tolerances).
 // Rows r >= expert_offsets[E_l] (read on the device) are neither read nor written.
 //
-// Mapping (decode has T*k = 8 rows): rows x column-chunks (fused_moe_common.cuh), each thread 8
+// Mapping (decode has T*k = 8 rows): rows x column-chunks (fused_moe_common.cuh), a CTA taking 2 rows per
+// pass (their h loads issued before the arithmetic of either) and looping over the rows (the grid capped at
+// ~16 CTAs per SM: one row per CTA ran at ~1 TB/s at prefill, H200 s17c); each thread 8
 // consecutive features i0..i0+7 (i0 % 8 == 0): their gate and up columns are contiguous in both
 // layouts (an interleaved 64-group holds whole chunks), so h is read with 16-byte loads and A2
 // written with one 8-byte (e4m3) or 16-byte (bf16) store. An NVFP4 block (16) is 2 adjacent
@@ -85,6 +87,26 @@ __device__ __forceinline__ void activation8(const ActivationArgs& a, const float
   for (int j = 0; j < kVec; ++j) v[j] = gated_value(a, g[j], v[j]);
 }
 
+// The loads of activation8 (g unused for ReLU^2) and its arithmetic, apart: the bf16 kernel issues the loads
+// of several rows before the arithmetic of any.
+__device__ __forceinline__ void load_gate_up(const ActivationArgs& a, const float* h_row, int64_t inter, int64_t i0,
+                                             float (&g)[kVec], float (&u)[kVec]) {
+  if (a.activation == Activation::kRelu2) {
+    load8(h_row + i0, u);
+    return;
+  }
+  int64_t gate;
+  const int64_t up = up_column(a, inter, i0, &gate);
+  load8(h_row + gate, g);
+  load8(h_row + up, u);
+}
+__device__ __forceinline__ void activate8(const ActivationArgs& a, const float (&g)[kVec], const float (&u)[kVec],
+                                          float (&v)[kVec]) {
+#pragma unroll
+  for (int j = 0; j < kVec; ++j)
+    v[j] = a.activation == Activation::kRelu2 ? activation::relu2<float>(u[j]) : gated_value(a, g[j], u[j]);
+}
+
 struct RequantArgs {
   RowRouting routing;
   const float* h;
@@ -101,6 +123,10 @@ struct RequantArgs {
 
 // kAmaxOnly: reduce max |v| into amax_out, write nothing else. kVectorized: I % 8 == 0, h 16-byte
 // and a_out 8-byte aligned; else the thread's 8 features one at a time (those < I).
+// kRowsFp8 rows per CTA pass, the vectorized path's h loads of all of them issued before the arithmetic
+// of any (grid: rows_by_chunks_looped, CTAs loop over rows).
+constexpr int kRowsFp8 = 2;
+
 template <bool kAmaxOnly, bool kVectorized>
 __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const RequantArgs p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
@@ -112,33 +138,49 @@ __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const Requ
   uint32_t m = 0;
   float a2 = 1.0f;
   if (!kAmaxOnly) a2 = p.a2_static != nullptr ? p.a2_static[0] : dynamic_fp8_scale(*p.amax_in);
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const float* h_row = p.h + r * p.rows1;
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowsFp8; r0 < rows;
+       r0 += static_cast<int64_t>(gridDim.y) * kRowsFp8) {
     if (!kAmaxOnly && blockIdx.x == 0 && threadIdx.x == 0) {
-      const int32_t slot = rt.input_permutation[r];
-      const int32_t e = slot >= 0 ? rt.local_ids[slot] : 0;
-      p.s2[r] = s2_value(a2, p.w2_alpha, e);
+#pragma unroll
+      for (int j = 0; j < kRowsFp8; ++j) {
+        if (r0 + j >= rows) break;
+        const int32_t slot = rt.input_permutation[r0 + j];
+        const int32_t e = slot >= 0 ? rt.local_ids[slot] : 0;
+        p.s2[r0 + j] = s2_value(a2, p.w2_alpha, e);
+      }
     }
     if (i0 >= I) continue;  // no barrier below: the commit after the loop is reached by all
-    float v[kVec];
+    float g[kRowsFp8][kVec] = {}, u[kRowsFp8][kVec] = {};
     if constexpr (kVectorized) {
-      activation8(p.act, h_row, I, i0, v);
-    } else {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) v[j] = i0 + j < I ? activation_of(p.act, h_row, I, i0 + j) : 0.0f;
+      for (int j = 0; j < kRowsFp8; ++j)
+        if (r0 + j < rows) load_gate_up(p.act, p.h + (r0 + j) * p.rows1, I, i0, g[j], u[j]);
     }
-    if constexpr (kAmaxOnly) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) m = abs_bits(v[j]) > m ? abs_bits(v[j]) : m;
-    } else {
-      uint8_t* dst = p.a_out + r * I + i0;
+    for (int jr = 0; jr < kRowsFp8; ++jr) {
+      const int64_t r = r0 + jr;
+      if (r >= rows) break;
+      const float* h_row = p.h + r * p.rows1;
+      float v[kVec];
       if constexpr (kVectorized) {
-        float q[kVec];
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) q[j] = requant_value(v[j], a2);  // IEEE division, as the reference
-        *reinterpret_cast<uint2*>(dst) = make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
+        activate8(p.act, g[jr], u[jr], v);
       } else {
-        for (int j = 0; j < kVec && i0 + j < I; ++j) dst[j] = e4m3_of(requant_value(v[j], a2));
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) v[j] = i0 + j < I ? activation_of(p.act, h_row, I, i0 + j) : 0.0f;
+      }
+      if constexpr (kAmaxOnly) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) m = abs_bits(v[j]) > m ? abs_bits(v[j]) : m;
+      } else {
+        uint8_t* dst = p.a_out + r * I + i0;
+        if constexpr (kVectorized) {
+          float q[kVec];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) q[j] = requant_value(v[j], a2);  // IEEE division, as the reference
+          *reinterpret_cast<uint2*>(dst) = make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
+        } else {
+          for (int j = 0; j < kVec && i0 + j < I; ++j) dst[j] = e4m3_of(requant_value(v[j], a2));
+        }
       }
     }
   }
@@ -165,12 +207,30 @@ __device__ __forceinline__ float group_amax(const float (&v)[kVec]) {
   return __uint_as_float(m);
 }
 
+// e2m1_to_float(float_to_e2m1(x)) without the codecs' lookup table (a local-memory array on the GPU):
+// the same round-to-nearest-even grid value (ties as the codec: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
+// 2.5 -> 2, 3.5 -> 4, 5 -> 4), saturating to 6, the sign kept (also on zero); NaN -> +6 (code 0x7).
+__device__ __forceinline__ float e2m1_round(float x) {
+  const uint32_t u = __float_as_uint(x);
+  const float a = __uint_as_float(u & 0x7fffffffu);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 6.0f;
+  const float m = a <= 0.25f  ? 0.0f
+                  : a < 0.75f ? 0.5f
+                  : a <= 1.25f ? 1.0f
+                  : a < 1.75f ? 1.5f
+                  : a <= 2.5f ? 2.0f
+                  : a < 3.5f  ? 3.0f
+                  : a <= 5.0f ? 4.0f
+                              : 6.0f;
+  return __uint_as_float(__float_as_uint(m) | (u & 0x80000000u));
+}
+
 // The reference's nvfp4_block over the 16-feature block of the thread: md = e2m1(v * gs / sf) * sf.
 __device__ __forceinline__ void nvfp4_dequant(float (&v)[kVec], float gs) {
   const float sf = e4m3_to_float(e4m3_of(gs * group_amax<2>(v) / 6.0f));
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
-    const float q = sf == 0.0f ? 0.0f : e2m1_to_float(float_to_e2m1(v[j] * gs / sf));
+    const float q = sf == 0.0f ? 0.0f : e2m1_round(v[j] * gs / sf);
     v[j] = q * sf;
   }
 }
@@ -217,7 +277,11 @@ __device__ __forceinline__ float w2_alpha_of(const RequantBf16Args& p, int64_t r
   return p.w2_alpha != nullptr ? p.w2_alpha[e] : 1.0f;
 }
 
-// kBf16, kNvfp4, kMxfp8: rows x column-chunks.
+// kBf16, kNvfp4, kMxfp8: rows x column-chunks, kRowsBf16 rows per CTA pass (their h loads issued before
+// the arithmetic of any; the grid capped so that CTAs loop over rows: rows_by_chunks_looped). One row
+// per CTA ran at ~1 TB/s at prefill (H200, s17c).
+constexpr int kRowsBf16 = 2;
+
 template <Bf16Requant kMode>
 __global__ void __launch_bounds__(kThreads) activation_requant_bf16_kernel(const RequantBf16Args p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
@@ -228,13 +292,27 @@ __global__ void __launch_bounds__(kThreads) activation_requant_bf16_kernel(const
   const int64_t i0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kVec;
   const bool active = i0 < I;
   const float fc2 = kMode == Bf16Requant::kNvfp4 ? p.fc2_input_scale[0] : 1.0f;
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {  // uniform over the CTA: shuffles below are safe
-    if (blockIdx.x == 0 && threadIdx.x == 0) p.s2[r] = w2_alpha_of(p, r);
-    float v[kVec] = {};
-    if (active) activation8(p.act, p.h + r * p.rows1, I, i0, v);
-    if constexpr (kMode == Bf16Requant::kNvfp4) nvfp4_dequant(v, fc2);
-    if constexpr (kMode == Bf16Requant::kMxfp8) mxfp8_dequant(v);
-    if (active) store_bf16x8(p.a_out + r * I + i0, v);
+  // r0 is uniform over the CTA, and so is `r0 + j < rows`: the shuffles below are safe.
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowsBf16; r0 < rows;
+       r0 += static_cast<int64_t>(gridDim.y) * kRowsBf16) {
+    float g[kRowsBf16][kVec] = {}, u[kRowsBf16][kVec] = {};
+#pragma unroll
+    for (int j = 0; j < kRowsBf16; ++j)
+      if (active && r0 + j < rows) load_gate_up(p.act, p.h + (r0 + j) * p.rows1, I, i0, g[j], u[j]);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+#pragma unroll
+      for (int j = 0; j < kRowsBf16; ++j)
+        if (r0 + j < rows) p.s2[r0 + j] = w2_alpha_of(p, r0 + j);
+    }
+#pragma unroll
+    for (int j = 0; j < kRowsBf16; ++j) {
+      if (r0 + j >= rows) break;
+      float v[kVec] = {};
+      if (active) activate8(p.act, g[j], u[j], v);
+      if constexpr (kMode == Bf16Requant::kNvfp4) nvfp4_dequant(v, fc2);
+      if constexpr (kMode == Bf16Requant::kMxfp8) mxfp8_dequant(v);
+      if (active) store_bf16x8(p.a_out + (r0 + j) * I + i0, v);
+    }
   }
 }
 
@@ -296,7 +374,7 @@ void activation_amax(const RowRouting& routing, const float* h, int64_t rows1, i
   if (routing.max_rows <= 0 || inter <= 0) return;
   RequantArgs p{routing, h, rows1, inter, act, nullptr, nullptr, amax_bits, nullptr, nullptr, nullptr};
   const int64_t grid_rows = routing.max_rows < kAmaxMaxGridRows ? routing.max_rows : kAmaxMaxGridRows;
-  const dim3 grid = rows_by_chunks(grid_rows, inter, int64_t{kThreads} * kVec);
+  const dim3 grid = rows_by_chunks((grid_rows + kRowsFp8 - 1) / kRowsFp8, inter, int64_t{kThreads} * kVec);
   if (inter % kVec == 0 && aligned_to(h, 16) && rows1 % 4 == 0) {
     launch_kernel(activation_requant_kernel<true, true>, grid, kThreads, 0, stream, p);
   } else {
@@ -310,7 +388,7 @@ void activation_requant(const RowRouting& routing, const float* h, int64_t rows1
                         const float* w2_alpha, uint8_t* a_out, float* s2, cudaStream_t stream) {
   if (routing.max_rows <= 0 || inter <= 0) return;
   RequantArgs p{routing, h, rows1, inter, act, a2_static, amax_bits, nullptr, w2_alpha, a_out, s2};
-  const dim3 grid = rows_by_chunks(routing.max_rows, inter, int64_t{kThreads} * kVec);
+  const dim3 grid = rows_by_chunks_looped(routing.max_rows, inter, int64_t{kThreads} * kVec, kRowsFp8);
   if (inter % kVec == 0 && aligned_to(h, 16) && rows1 % 4 == 0 && aligned_to(a_out, 8)) {
     launch_kernel(activation_requant_kernel<false, true>, grid, kThreads, 0, stream, p);
   } else {
@@ -328,7 +406,8 @@ void activation_requant_bf16(const RowRouting& routing, const float* h, int64_t 
     throw Error("inter", "I % 32 == 0 and 16-byte aligned h / a_out (activation_requant_bf16)",
                 "I = " + std::to_string(inter), ErrorKind::kRuntime);
   const RequantBf16Args p{routing, h, rows1, inter, act, fc2_input_scale, w2_alpha, a_out, s2};
-  const dim3 grid = rows_by_chunks(routing.max_rows, inter, int64_t{kThreads} * kVec);
+  const dim3 grid = rows_by_chunks_looped(routing.max_rows, inter, int64_t{kThreads} * kVec, kRowsBf16);
+  const dim3 grid_per_token = rows_by_chunks(routing.max_rows, inter, int64_t{kThreads} * kVec);
   switch (requant) {
     case Bf16Requant::kBf16:
       launch_kernel(activation_requant_bf16_kernel<Bf16Requant::kBf16>, grid, kThreads, 0, stream, p);
@@ -337,7 +416,7 @@ void activation_requant_bf16(const RowRouting& routing, const float* h, int64_t 
       launch_kernel(activation_requant_bf16_kernel<Bf16Requant::kNvfp4>, grid, kThreads, 0, stream, p);
       break;
     case Bf16Requant::kNvfp4PerToken:
-      launch_kernel(activation_requant_per_token_kernel, dim3(1, grid.y), kThreads, 0, stream, p);
+      launch_kernel(activation_requant_per_token_kernel, dim3(1, grid_per_token.y), kThreads, 0, stream, p);
       break;
     case Bf16Requant::kMxfp8:
       launch_kernel(activation_requant_bf16_kernel<Bf16Requant::kMxfp8>, grid, kThreads, 0, stream, p);

@@ -15,8 +15,13 @@
 //
 // Each thread converts 8 consecutive features (one 16-byte bf16 store; 16 / 4 / 8 input bytes), so
 // H % 8 == 0 and a 16-byte aligned x are required (the caller checks; GPU FP4 modes have H % 32 == 0,
-// so a chunk never straddles a scale block). One block per row, grid-stride over the rows.
+// so a chunk never straddles a scale block). A CTA takes kRows rows per pass (their dependent loads --
+// the row's slot, then its x chunk -- in flight together) and loops over the rows (grid capped at
+// ~16 CTAs per SM: rows_by_chunks_looped); one row per CTA ran at ~1 TB/s at prefill (H200, s17c).
 // Rows r >= expert_offsets[E_l] (read on the device) are neither read nor written.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include "cuda/fused/fused_moe_common.cuh"
@@ -31,6 +36,7 @@ namespace {
 
 constexpr int kThreads = 128;  // 128 x 8 features = 1024 per CTA: H = 7168 is 7 CTAs per row
 constexpr int kChunk = 8;      // features per thread
+constexpr int kRows = 4;       // rows per CTA pass
 
 struct GatherDequantArgs {
   RowRouting routing;
@@ -43,40 +49,72 @@ struct GatherDequantArgs {
   float* s1;
 };
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  return static_cast<uint32_t>(float_to_bf16(lo)) | (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
-}
+// One thread's raw input for features [8c, 8c + 8) of a token: loaded for kRows rows before any is
+// converted, so that their loads are in flight together.
+struct RawChunk {
+  uint4 v;         // bf16: the 8 values; NVFP4: .x = 8 e2m1 codes; MXFP8: .x, .y = 8 e4m3 codes
+  uint32_t scale;  // NVFP4: the e4m3 block scale; MXFP8: the ue8m0 block scale
+};
 
-// Features [8c, 8c + 8) of token t as 8 bf16 (little-endian pairs: feature 8c in the low half of .x).
 template <ActivationInput kInput>
-__device__ __forceinline__ uint4 dequant_chunk(const GatherDequantArgs& p, int64_t t, int64_t c) {
+__device__ __forceinline__ RawChunk load_chunk(const GatherDequantArgs& p, int64_t t, int64_t c) {
   const int64_t H = p.hidden;
+  RawChunk r{};
   if constexpr (kInput == ActivationInput::kBf16) {
-    return reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + t * H)[c];
+    r.v = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + t * H)[c];
   } else if constexpr (kInput == ActivationInput::kNvfp4) {
-    // 8 e2m1 codes in 4 bytes; even feature in the low nibble, so nibble j is feature 8c + j.
-    const uint32_t codes = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(p.x) + t * (H / 2))[c];
-    const float sf = e4m3_to_float(p.x_scale[t * (H / 16) + (kChunk * c) / 16]);
-    float v[kChunk];
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) v[j] = e2m1_to_float(static_cast<uint8_t>((codes >> (4 * j)) & 0xfu)) * sf;
-    return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
-                      pack_bf16x2(v[6], v[7]));
+    r.v.x = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(p.x) + t * (H / 2))[c];
+    r.scale = p.x_scale[t * (H / 16) + (kChunk * c) / 16];
   } else {
     const uint2 codes = reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(p.x) + t * H)[c];
-    const float s = ue8m0_to_float(p.x_scale[t * (H / 32) + (kChunk * c) / 32]);
-    float v[kChunk];
+    r.v.x = codes.x, r.v.y = codes.y;
+    r.scale = p.x_scale[t * (H / 32) + (kChunk * c) / 32];
+  }
+  return r;
+}
+
+__device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __nv_bfloat162 bf16x2_of(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+
+// The 8 values as bf16 (little-endian pairs: feature 8c in the low half of .x). Every product is exact
+// in bf16, so no rounding happens and the bits are those of the reference's scalar codecs (a NaN scale
+// gives NaN, compared by isnan).
+template <ActivationInput kInput>
+__device__ __forceinline__ uint4 convert_chunk(const RawChunk& r) {
+  if constexpr (kInput == ActivationInput::kBf16) {
+    return r.v;
+  } else if constexpr (kInput == ActivationInput::kNvfp4) {
+    // The GEMM's decode (sm90_grouped_gemm_bf16_w4.cuh): e2m1 bits at bf16 bits 15 and 8..6 are
+    // e2m1 * 2^-126 (codes 0, 1 subnormal); times bf16(sf * 2^118) and 2^8: e2m1 * sf. Nibble j is
+    // feature 8c + j; byte k (features 2k, 2k + 1) times 0x1001, masked, puts its nibbles at bits 0..3
+    // of the two halves.
+    const __nv_bfloat162 sf = __float2bfloat162_rn(e4m3_to_float(static_cast<uint8_t>(r.scale)) * 3.3230699894622794e+35f);
+    uint32_t out[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[j] = e4m3_to_float(static_cast<uint8_t>(codes.x >> (8 * j))) * s;
-      v[4 + j] = e4m3_to_float(static_cast<uint8_t>(codes.y >> (8 * j))) * s;
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t pair = (((r.v.x >> (8 * k)) & 0xffu) * 0x1001u) & 0x000f000fu;
+      const uint32_t e = (pair * 0x1040u) & 0x81c081c0u;
+      out[k] = bf16x2_bits(__hmul2(__hmul2(bf16x2_of(e), sf), bf16x2_of(0x43804380u)));  // * 2^8
     }
-    return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
-                      pack_bf16x2(v[6], v[7]));
+    return make_uint4(out[0], out[1], out[2], out[3]);
+  } else {
+    // e4m3 pairs to f16 (exact) by the hardware conversion, then fp32 times 2^(s - 127) (exact inside
+    // fp32's range; an overflow is inf as in the reference) and one round-to-nearest pack to bf16,
+    // which is __float2bfloat16_rn = the reference's float_to_bf16 for every non-NaN value.
+    const float s = ue8m0_to_float(static_cast<uint8_t>(r.scale));
+    uint32_t out[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t word = k < 2 ? r.v.x : r.v.y;
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word >> (16 * (k % 2))), __NV_E4M3);
+      const float2 f = __half22float2(__half2(h));
+      out[k] = bf16x2_bits(__floats2bfloat162_rn(f.x * s, f.y * s));
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
   }
 }
 
-// blockIdx.y = row (grid-stride over rows), blockIdx.x * kThreads + threadIdx.x = chunk of kChunk features.
+// blockIdx.y = kRows rows (grid-stride over rows), blockIdx.x * kThreads + threadIdx.x = chunk of kChunk features.
 template <ActivationInput kInput>
 __global__ void __launch_bounds__(kThreads) gather_dequant_kernel(const GatherDequantArgs p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
@@ -85,15 +123,25 @@ __global__ void __launch_bounds__(kThreads) gather_dequant_kernel(const GatherDe
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const bool in_row = c < p.hidden / kChunk;
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const int32_t slot = rt.input_permutation[r];
-    if (slot < 0) continue;  // cannot happen for r < valid rows; guards a corrupted routing
-    const int64_t t = slot / rt.topk;
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRows; r0 < rows; r0 += static_cast<int64_t>(gridDim.y) * kRows) {
+    int32_t slot[kRows];  // < 0: past the rows (or a corrupted routing: nothing read or written)
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) slot[j] = r0 + j < rows ? rt.input_permutation[r0 + j] : -1;
+    RawChunk raw[kRows];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+      if (in_row && slot[j] >= 0) raw[j] = load_chunk<kInput>(p, slot[j] / rt.topk, c);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-      const float alpha = p.w1_alpha != nullptr ? p.w1_alpha[rt.local_ids[slot]] : 1.0f;
-      p.s1[r] = alpha * (p.per_token_scale != nullptr ? p.per_token_scale[t] : 1.0f);
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        if (slot[j] < 0) continue;
+        const float alpha = p.w1_alpha != nullptr ? p.w1_alpha[rt.local_ids[slot[j]]] : 1.0f;
+        p.s1[r0 + j] = alpha * (p.per_token_scale != nullptr ? p.per_token_scale[slot[j] / rt.topk] : 1.0f);
+      }
     }
-    if (in_row) reinterpret_cast<uint4*>(p.a_out + r * p.hidden)[c] = dequant_chunk<kInput>(p, t, c);
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+      if (in_row && slot[j] >= 0) reinterpret_cast<uint4*>(p.a_out + (r0 + j) * p.hidden)[c] = convert_chunk<kInput>(raw[j]);
   }
 }
 
@@ -105,7 +153,7 @@ void gather_dequantize(const RowRouting& routing, ActivationInput input, const v
   if (routing.max_rows <= 0) return;
   const GatherDequantArgs p{routing, x, x_scale, hidden, per_token_scale, w1_alpha, a_out, s1};
   if (hidden <= 0) return;
-  const dim3 grid = rows_by_chunks(routing.max_rows, hidden, int64_t{kThreads} * kChunk);
+  const dim3 grid = rows_by_chunks_looped(routing.max_rows, hidden, int64_t{kThreads} * kChunk, kRows);
   switch (input) {
     case ActivationInput::kBf16:
       launch_kernel(gather_dequant_kernel<ActivationInput::kBf16>, grid, kThreads, 0, stream, p);
