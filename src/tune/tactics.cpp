@@ -75,7 +75,7 @@ const std::vector<Tactic>& compiled_bf16() {
       make(Family::kPrefill, 128, 64, 128), make(Family::kDecode, 128, 32, 256), make(Family::kDecode, 128, 24, 256),
       // WGMMA bf16 m64n{64,128,160}k16: 128 weight rows x 64, 128 or 160 tokens (sm90_grouped_gemm_bf16_w4_wgmma.cu).
       make(Family::kPrefill, 128, 128, 128), make(Family::kPrefill, 128, 160, 128),
-      // 64 weight rows x 8 tokens for grids below one CTA per SM (the n8 tile's sums, twice the CTAs).
+      // 64 weight rows x 8 tokens where the n8 grid leaves SMs idle (the n8 tile's sums, twice the CTAs).
       make(Family::kDecode, 64, 8, 256),
   };
   return list;
@@ -239,9 +239,13 @@ Tactic select_tactic(const GemmProblem& problem) {
   const double mu = static_cast<double>(rows) / static_cast<double>(experts);
   Tactic t;
   const int64_t hit = rows < experts ? rows : experts;
-  const bool small_grid = rows > 0 && hit * feature_tiles(problem.n) < kHopperSms;  // n8: under one CTA per SM
+  const int64_t n8_ctas = rows > 0 ? hit * feature_tiles(problem.n) : 0;
+  const bool small_grid = n8_ctas > 0 && n8_ctas < kHopperSms;  // n8: under one CTA per SM
+  // The bf16 64-row tile where the n8 grid leaves SMs idle but fills more than half of them: at 92-128 n8 CTAs
+  // it is 1.1-1.4x faster; at 64 (Mixtral GEMM2, T = 1: both ~65 us, bound by the walk along K) it is not.
+  const bool bf16_small_grid = small_grid && 2 * n8_ctas > kHopperSms;
   if (problem.bf16_activations) {
-    t = rows_per_expert <= kBf16N8MaxRows && small_grid              ? make(Family::kDecode, 64, 8, 256)
+    t = rows_per_expert <= kBf16N8MaxRows && bf16_small_grid         ? make(Family::kDecode, 64, 8, 256)
         : rows_per_expert <= kBf16N8MaxRows                          ? make(Family::kDecode, 128, 8, 256)
         : rows_per_expert <= kBf16N16MaxRows                         ? make(Family::kDecode, 128, 16, 256)
         : rows_per_expert <= kBf16N24MaxRows                         ? make(Family::kDecode, 128, 24, 256)

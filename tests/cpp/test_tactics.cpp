@@ -220,7 +220,8 @@ TEST(Tactics, Bf16KernelList) {
   for (const auto& [experts, rows, n, name] : std::vector<std::tuple<int64_t, int64_t, int64_t, std::string>>{
            {128, 8, 1536, "decode_m64_n8_k256"},    // Qwen3-30B GEMM1, T = 1: 8 x 12 tiles
            {128, 8, 2048, "decode_m64_n8_k256"},    // Qwen3-30B GEMM2: 8 x 16 = 128 < 132
-           {8, 2, 4096, "decode_m64_n8_k256"},      // Mixtral GEMM2, T = 1: 2 x 32 tiles
+           {8, 2, 4096, "decode_m128_n8_k256"},     // Mixtral GEMM2, T = 1: 2 x 32 tiles (m64: no faster)
+           {128, 4, 2880, "decode_m64_n8_k256"},    // gpt-oss GEMM2, T = 1: 4 x 23 tiles
            {256, 8, 4096, "decode_m128_n8_k256"},   // DeepSeek-V3 GEMM1, T = 1: 256 tiles
            {8, 2, 28672, "decode_m128_n8_k256"},    // Mixtral GEMM1, T = 1: 2 x 224 tiles
            {128, 64, 1536, "decode_m128_n8_k256"}}) {  // Qwen3-30B GEMM1, T = 8: up to 64 experts hit

@@ -49,7 +49,7 @@ void launch_out(const Bf16W4Params& params, bool fp32_out, int64_t rows, int dev
 //   decode n8/n16 : 128 rows, 2 groups per stage (128-byte runs of each weight row), 4 stages, 2 CTAs/SM
 //                   (n8 with many tiles: 3 stages x 3 CTAs/SM, n8_tiles_fill_three_per_sm; H200,
 //                   bench/results/2026-11-30_s5a_*: 5-8% faster at T = 8-64)
-//   decode m64 n8 : grids below one CTA per SM (T = 1 on small models, Mixtral GEMM2): 64 rows, 4 warps of
+//   decode m64 n8 : n8 grids of 67-131 CTAs (T = 1 on small models): 64 rows, 4 warps of
 //                   16 rows (twice the CTAs of n8, the same sums), 6 stages for more bytes in flight per SM
 //   decode n24/n32: n16's warps with three / four token fragments, 3 stages so that two CTAs fit
 //   prefill n64 / n128 / n160: the WGMMA tiles (sm90_grouped_gemm_bf16_w4_wgmma.cu), their own kernel. (The
