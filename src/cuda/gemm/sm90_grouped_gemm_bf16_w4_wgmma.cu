@@ -358,6 +358,19 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       for (int k = 0; k < 8; ++k) wgmma_k16<TILE_N>(acc, a[k], k < 4 ? desc0 + 2 * k : desc1 + 2 * (k - 4), 1);
     }
     wgmma_commit();
+    // The epilogue's row scales (tokens 8 j + 2 tig + h), loaded while the tile's last wgmmas run: loaded in
+    // the epilogue, their latency came once per tile on top of it (small K: Qwen3-30B's GEMM2 has 6 groups).
+    // (Not for int4's 160-token tile: acc + part + a left no registers for them.)
+    constexpr bool kEarlyScales = !(kInt4 && TILE_N == 160);
+    const bool last = g == groups - 1;
+    float rs[kTileN / 4];
+    if (kEarlyScales && last) {
+#pragma unroll
+      for (int i = 0; i < kTileN / 4; ++i) {
+        const int c = 8 * (i / 2) + 2 * tig + (i % 2);
+        rs[i] = p.row_scales != nullptr && c < t.rows ? p.row_scales[t.row0 + c] : 1.0f;
+      }
+    }
     if constexpr (kOverlap) {
       if (more) convert(it + 1, a_next);
     } else {
@@ -372,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     fence_operands(acc);
     mbar_arrive(&empty[s]);  // this thread is done with stage s (weights and scales in registers)
     if constexpr (kInt4) promote_group(acc, part, s0, s1);
-    if (g == groups - 1) {
+    if (last) {
       // Epilogue: D[row, r0 + {0, 1}] = out(s[row] * (post * acc)), one paired store per token; then zero.
       constexpr float kPost = F == W4Format::kNvfp4 ? 256.0f : 1.0f;  // undoes the 2^-8 of the NVFP4 decode
       const bool ok = t.n0 + r0 < p.n;
@@ -385,9 +398,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
             const int row = t.row0 + c;
             const float v0 = acc[4 * j + h] * kPost, v1 = acc[4 * j + 2 + h] * kPost;
             const bool scaled = p.row_scales != nullptr;
-            const float rs = scaled ? p.row_scales[row] : 1.0f;
-            store_out_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + t.n0 + r0, scaled ? rs * v0 : v0,
-                           scaled ? rs * v1 : v1);
+            const float sc = !scaled ? 1.0f : kEarlyScales ? rs[2 * j + h] : p.row_scales[row];
+            store_out_pair(static_cast<OutT*>(p.d) + static_cast<int64_t>(row) * p.n + t.n0 + r0,
+                           scaled ? sc * v0 : v0, scaled ? sc * v1 : v1);
           }
           acc[4 * j + h] = 0.f;
           acc[4 * j + 2 + h] = 0.f;
