@@ -18,6 +18,9 @@ struct GemmProblem {
   // true: the bf16 x 4-bit grouped GEMM of the fused w4a16, w4a16_int4, w4a4 and w4a8 modes
   // (src/cuda/gemm/sm90_grouped_gemm_bf16_w4.h), whose FP4 weights allow K % 32 == 0.
   bool bf16_activations = false;
+  // With bf16_activations: the weights are FP4 (NVFP4 / MXFP4), not int4-g128. Only the choice between
+  // the 128- and 160-token WGMMA tiles depends on it (their relative cost differs by format).
+  bool fp4_weights = false;
 };
 
 struct Tactic {

@@ -275,9 +275,10 @@ def pinned_tactic(quant_mode: str, activation: str, hidden: int, inter: int, rec
 
     rows1 = inter if activation == "relu2" else 2 * inter
     bf16 = quant_mode != "w4a8_int4"
+    fp4 = bf16 and quant_mode != "w4a16_int4"
     slots = int(received_tokens) * int(top_k)
-    first = ops.select_tactic(rows1, hidden, slots, local_experts, top_k, bf16)
-    second = ops.select_tactic(hidden, inter, slots, local_experts, top_k, bf16)
+    first = ops.select_tactic(rows1, hidden, slots, local_experts, top_k, bf16, fp4)
+    second = ops.select_tactic(hidden, inter, slots, local_experts, top_k, bf16, fp4)
     return first if first == second else None
 
 

@@ -240,10 +240,11 @@ def moe_finalize(rows, topk_ids, topk_weights, *, num_experts, num_local_experts
 
 
 def select_tactic(n: int, k: int, total_rows: int, num_experts: int, topk: int = 8,
-                  bf16_activations: bool = False) -> str:
+                  bf16_activations: bool = False, fp4_weights: bool = False) -> str:
     """The grouped GEMM tactic the heuristic picks for this problem (pure function). bf16_activations:
-    the bf16 x 4-bit GEMM of the fused w4a16 / w4a16_int4 / w4a4 / w4a8 modes instead of the W4A8 one."""
-    return _C.select_tactic(n, k, total_rows, num_experts, topk, bool(bf16_activations))
+    the bf16 x 4-bit GEMM of the fused w4a16 / w4a16_int4 / w4a4 / w4a8 modes instead of the W4A8 one;
+    fp4_weights: its weights are FP4 (w4a16, w4a4, w4a8), not int4 (w4a16_int4)."""
+    return _C.select_tactic(n, k, total_rows, num_experts, topk, bool(bf16_activations), bool(fp4_weights))
 
 
 def valid_tactics(n: int, k: int, total_rows: int, num_experts: int, topk: int = 8,

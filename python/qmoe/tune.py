@@ -396,7 +396,7 @@ def fused_moe_tactic(num_tokens: int, *, quant_mode: str, hidden: int, inter: in
     if deterministic:
         rows = max(int(num_tokens), 1) * topk
         heuristic = _C.select_tactic(2 * inter if gated else inter, hidden, rows, num_local_experts, topk,
-                                     quant_mode != "w4a8_int4")
+                                     quant_mode != "w4a8_int4", quant_mode not in ("w4a8_int4", "w4a16_int4"))
         family = mma_family(heuristic, quant_mode)
         candidates = [t for t in candidates if mma_family(t, quant_mode) == family]
     key = fused_moe_key(num_tokens, quant_mode=quant_mode, hidden=hidden, inter=inter, num_experts=num_experts,

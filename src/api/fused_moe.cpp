@@ -383,6 +383,7 @@ Tactic gemm_tactic(const FusedMoeParams& p, const GpuDims& d, int64_t n, int64_t
   problem.num_experts = d.local;
   problem.topk = d.topk;
   problem.bf16_activations = uses_bf16_pipeline(p);  // the other kernel, with its own tactic list
+  problem.fp4_weights = problem.bf16_activations && p.quant_mode != QuantMode::kW4A16Int4;
   if (p.tactic.empty()) return select_tactic(problem);
   const Tactic forced = parse_tactic(p.tactic);
   const std::vector<Tactic> valid = valid_tactics(problem);

@@ -36,9 +36,10 @@ GateUpLayout layout_from_name(const std::string& name) {
 }
 
 GemmProblem problem_of(int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk,
-                       bool bf16_activations = false) {
+                       bool bf16_activations = false, bool fp4_weights = false) {
   GemmProblem p;
   p.bf16_activations = bf16_activations;
+  p.fp4_weights = fp4_weights;
   p.n = n;
   p.k = k;
   p.total_rows = total_rows;
@@ -167,11 +168,12 @@ void bind_ops(nb::module_& m) {
 
   m.def(
       "select_tactic",
-      [](int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk, bool bf16_activations) {
-        return select_tactic(problem_of(n, k, total_rows, num_experts, topk, bf16_activations)).name();
+      [](int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk, bool bf16_activations,
+         bool fp4_weights) {
+        return select_tactic(problem_of(n, k, total_rows, num_experts, topk, bf16_activations, fp4_weights)).name();
       },
       nb::arg("n"), nb::arg("k"), nb::arg("total_rows"), nb::arg("num_experts"), nb::arg("topk") = 8,
-      nb::arg("bf16_activations") = false);
+      nb::arg("bf16_activations") = false, nb::arg("fp4_weights") = false);
   m.def(
       "valid_tactics",
       [](int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk, bool bf16_activations) {

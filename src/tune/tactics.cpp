@@ -187,6 +187,10 @@ constexpr double kWgmmaN160TileCost = 1.18;
 // tile decodes after its wgmmas for want of registers: 1.28-1.42). Measured: 1.28-1.46x faster at 128 rows per
 // expert (NVFP4; int4 1.11-1.43x), 3% at 256, slower at 64 and 1024 (where the model picks 128).
 constexpr double kBf16WgmmaN160TileCost = 1.25;
+// FP4 weights since the epilogue's row scales load during the tile's last wgmmas (s17e; the int4 160-token
+// tile has no registers for them): a 160-token tile costs ~1.12 128-token ones (64 rows per expert, one tile
+// each: 1.11-1.13), and wins at 256 rows (Qwen3 T = 4096: 1.05-1.08x) and 1024 (Mixtral GEMM1 T = 4096: 1.07x).
+constexpr double kBf16Fp4WgmmaN160TileCost = 1.12;
 // A 64-token tile costs ~0.8 of a 128-token one (32-48 rows vs 64: 2849-3055 vs 3375-3800 us, GEMM2 1565-1626
 // vs 2072-2093): it wins up to ~56 rows per expert (48 rows: 1.13-1.36x over the 128-token tile; 64 rows:
 // the 128-token tile by 1.15-1.3x, also on Qwen3-30B).
@@ -251,7 +255,9 @@ Tactic select_tactic(const GemmProblem& problem) {
         : rows_per_expert <= kBf16N24MaxRows                         ? make(Family::kDecode, 128, 24, 256)
         : rows_per_expert <= kBf16N32MaxRows                         ? make(Family::kDecode, 128, 32, 256)
         : wgmma_tile_pays(64, mu, experts, kBf16WgmmaN64TileCost)    ? make(Family::kPrefill, 128, 64, 128)
-        : wgmma_tile_pays(160, mu, experts, kBf16WgmmaN160TileCost)  ? make(Family::kPrefill, 128, 160, 128)
+        : wgmma_tile_pays(160, mu, experts,
+                          problem.fp4_weights ? kBf16Fp4WgmmaN160TileCost : kBf16WgmmaN160TileCost)
+            ? make(Family::kPrefill, 128, 160, 128)
                                                                      : make(Family::kPrefill, 128, 128, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);

@@ -241,6 +241,22 @@ TEST(Tactics, Bf16KernelList) {
     p.total_rows = 128 * rows;
     EXPECT_EQ(qmoe::select_tactic(p).name(), name) << rows << " rows";
   }
+  // FP4 weights: a 160-token tile costs 1.12 128-token ones, not 1.25 (its epilogue's row scales load early):
+  // at 256 rows per expert (2.5 expected 128-token tiles vs 2 x 1.12) and 1024 on 8 experts (8.5 vs 7 x
+  // 1.12) it is the 160-token tile; at 64 rows (one tile each) still the 128-token tile.
+  {
+    qmoe::GemmProblem q = p;
+    q.fp4_weights = true;
+    for (const auto& [experts, rows, name] : std::vector<std::tuple<int64_t, int64_t, std::string>>{
+             {128, 256, "prefill_m128_n160_k128"}, {8, 1024, "prefill_m128_n160_k128"},
+             {128, 64, "prefill_m128_n128_k128"}, {256, 128, "prefill_m128_n160_k128"}}) {
+      q.num_experts = experts, q.total_rows = experts * rows;
+      EXPECT_EQ(qmoe::select_tactic(q).name(), name) << experts << " experts, " << rows << " rows";
+      q.fp4_weights = false;
+      if (rows == 256) EXPECT_EQ(qmoe::select_tactic(q).name(), "prefill_m128_n128_k128") << "int4, 256 rows";
+      q.fp4_weights = true;
+    }
+  }
   p.num_experts = 8;  // 8 experts x 32 tiles: one wave
   for (const auto& [rows, name] : std::vector<std::pair<int64_t, std::string>>{
            {6, "decode_m128_n8_k256"}, {7, "decode_m128_n16_k256"}, {14, "decode_m128_n24_k256"},

@@ -671,11 +671,11 @@ def test_chunks_pin_one_tactic_for_every_chunk(monkeypatch):
 def test_pinned_tactic_is_the_heuristic_of_both_gemms_or_none():
     from qmoe.ep import pinned_tactic
 
-    for quant_mode, bf16 in (("w4a8_int4", False), ("w4a16", True)):
+    for quant_mode, bf16, fp4 in (("w4a8_int4", False, False), ("w4a16", True, True), ("w4a16_int4", True, False)):
         for tokens in (1, 8, 64, 512, 8192):
             got = pinned_tactic(quant_mode, "swiglu", 7168, 2048, tokens, 8, 128)
-            first = ops.select_tactic(4096, 7168, tokens * 8, 128, 8, bf16)
-            second = ops.select_tactic(7168, 2048, tokens * 8, 128, 8, bf16)
+            first = ops.select_tactic(4096, 7168, tokens * 8, 128, 8, bf16, fp4)
+            second = ops.select_tactic(7168, 2048, tokens * 8, 128, 8, bf16, fp4)
             assert got == (first if first == second else None)
     # Qwen3-235B-like GEMMs (N1 = 3072: 24 tiles, N2 = 4096: 32 tiles) at 5 slots over 64 experts:
     # the decode grid rule picks half-height tiles for GEMM1 only -> no single name pins both.

@@ -509,6 +509,10 @@ def test_bf16_kernel_tactics_are_their_own_list():
                             "decode_m64_n8_k256"]
     assert qmoe.select_tactic(4096, 7168, 8, 256, bf16_activations=True) == "decode_m128_n8_k256"
     assert qmoe.select_tactic(4096, 7168, 4096 * 8, 256, bf16_activations=True) == "prefill_m128_n160_k128"  # 128 rows
+    # 256 rows per expert (Qwen3-30B T = 4096): the 160-token tile with FP4 weights only (its cost 1.12 vs 1.25)
+    assert qmoe.select_tactic(2048, 768, 4096 * 8, 128, bf16_activations=True) == "prefill_m128_n128_k128"
+    assert qmoe.select_tactic(2048, 768, 4096 * 8, 128, bf16_activations=True,
+                              fp4_weights=True) == "prefill_m128_n160_k128"
     assert qmoe.valid_tactics(4096, 2880, 8, 128, bf16_activations=True) == BF16_TACTICS  # K % 32 == 0
     assert qmoe.valid_tactics(4096, 2880, 8, 128) == []  # the W4A8 GEMM needs K % 128 == 0
 
