@@ -49,11 +49,22 @@ inline dim3 rows_by_chunks(int64_t rows, int64_t cols, int64_t cols_per_block) {
   return dim3(static_cast<unsigned>(gx > 0 ? gx : 1), static_cast<unsigned>(gy > 0 ? gy : 1));
 }
 
-// The same grid for kernels that take `rows_per_pass` rows per CTA pass (their loads in flight together),
-// capped at ~16 CTAs per SM of a 132-SM GPU so that CTAs loop over rows instead of paying a launch and
-// a prologue per row (prefill: 32K rows x 7 column chunks would be 229K CTAs).
+// ~16 CTAs per SM of a 132-SM GPU: the per-row kernels' CTAs that run at once.
+constexpr int64_t kResidentCtas = 132 * 16;
+
+// Whether one row per CTA would need more CTAs than run at once (prefill): then the per-row kernels take
+// several rows per CTA pass and loop (rows_by_chunks_looped); otherwise (decode) one row per CTA, since
+// there a CTA's latency is the kernel's and more rows per CTA only lengthen it (H200, s17f: T = 1 layers
+// 5-20% slower with 2-4 rows per CTA).
+inline bool rows_batched(int64_t rows, int64_t cols, int64_t cols_per_block) {
+  const int64_t gx = (cols + cols_per_block - 1) / cols_per_block;
+  return rows * (gx > 0 ? gx : 1) > kResidentCtas;
+}
+
+// The grid for kernels that take `rows_per_pass` rows per CTA pass (their loads in flight together),
+// capped at kResidentCtas so that CTAs loop over rows instead of paying a launch and a prologue per row
+// (prefill: 32K rows x 7 column chunks would be 229K CTAs). rows_per_pass 1 below kResidentCtas: rows_by_chunks.
 inline dim3 rows_by_chunks_looped(int64_t rows, int64_t cols, int64_t cols_per_block, int64_t rows_per_pass) {
-  constexpr int64_t kResidentCtas = 132 * 16;
   dim3 g = rows_by_chunks((rows + rows_per_pass - 1) / rows_per_pass, cols, cols_per_block);
   const int64_t cap = kResidentCtas / g.x > 0 ? kResidentCtas / g.x : 1;
   if (g.y > cap) g.y = static_cast<unsigned>(cap);

@@ -24,9 +24,9 @@
 // e2m1 code now and then, far inside the tolerances).
 // Rows r >= expert_offsets[E_l] (read on the device) are neither read nor written.
 //
-// Mapping (decode has T*k = 8 rows): rows x column-chunks (fused_moe_common.cuh), a CTA taking 2 rows per
-// pass (their h loads issued before the arithmetic of either) and looping over the rows (the grid capped at
-// ~16 CTAs per SM: one row per CTA ran at ~1 TB/s at prefill, H200 s17c); each thread 8
+// Mapping (decode has T*k = 8 rows): rows x column-chunks (fused_moe_common.cuh); at prefill (rows_batched)
+// a CTA takes 2 rows per pass (their h loads issued before the arithmetic of either) and loops over the rows
+// (the grid capped at ~16 CTAs per SM: one row per CTA ran at ~1 TB/s there, H200 s17c); each thread 8
 // consecutive features i0..i0+7 (i0 % 8 == 0): their gate and up columns are contiguous in both
 // layouts (an interleaved 64-group holds whole chunks), so h is read with 16-byte loads and A2
 // written with one 8-byte (e4m3) or 16-byte (bf16) store. An NVFP4 block (16) is 2 adjacent
@@ -125,9 +125,9 @@ struct RequantArgs {
 // and a_out 8-byte aligned; else the thread's 8 features one at a time (those < I).
 // kRowsFp8 rows per CTA pass, the vectorized path's h loads of all of them issued before the arithmetic
 // of any (grid: rows_by_chunks_looped, CTAs loop over rows).
-constexpr int kRowsFp8 = 2;
+constexpr int kRowsFp8 = 2;  // at prefill (rows_batched; decode and the amax pass: 1)
 
-template <bool kAmaxOnly, bool kVectorized>
+template <bool kAmaxOnly, bool kVectorized, int ROWS>
 __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const RequantArgs p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   const RowRouting& rt = p.routing;
@@ -138,11 +138,11 @@ __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const Requ
   uint32_t m = 0;
   float a2 = 1.0f;
   if (!kAmaxOnly) a2 = p.a2_static != nullptr ? p.a2_static[0] : dynamic_fp8_scale(*p.amax_in);
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowsFp8; r0 < rows;
-       r0 += static_cast<int64_t>(gridDim.y) * kRowsFp8) {
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * ROWS; r0 < rows;
+       r0 += static_cast<int64_t>(gridDim.y) * ROWS) {
     if (!kAmaxOnly && blockIdx.x == 0 && threadIdx.x == 0) {
 #pragma unroll
-      for (int j = 0; j < kRowsFp8; ++j) {
+      for (int j = 0; j < ROWS; ++j) {
         if (r0 + j >= rows) break;
         const int32_t slot = rt.input_permutation[r0 + j];
         const int32_t e = slot >= 0 ? rt.local_ids[slot] : 0;
@@ -150,14 +150,14 @@ __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const Requ
       }
     }
     if (i0 >= I) continue;  // no barrier below: the commit after the loop is reached by all
-    float g[kRowsFp8][kVec] = {}, u[kRowsFp8][kVec] = {};
+    float g[ROWS][kVec] = {}, u[ROWS][kVec] = {};
     if constexpr (kVectorized) {
 #pragma unroll
-      for (int j = 0; j < kRowsFp8; ++j)
+      for (int j = 0; j < ROWS; ++j)
         if (r0 + j < rows) load_gate_up(p.act, p.h + (r0 + j) * p.rows1, I, i0, g[j], u[j]);
     }
 #pragma unroll
-    for (int jr = 0; jr < kRowsFp8; ++jr) {
+    for (int jr = 0; jr < ROWS; ++jr) {
       const int64_t r = r0 + jr;
       if (r >= rows) break;
       const float* h_row = p.h + r * p.rows1;
@@ -280,9 +280,9 @@ __device__ __forceinline__ float w2_alpha_of(const RequantBf16Args& p, int64_t r
 // kBf16, kNvfp4, kMxfp8: rows x column-chunks, kRowsBf16 rows per CTA pass (their h loads issued before
 // the arithmetic of any; the grid capped so that CTAs loop over rows: rows_by_chunks_looped). One row
 // per CTA ran at ~1 TB/s at prefill (H200, s17c).
-constexpr int kRowsBf16 = 2;
+constexpr int kRowsBf16 = 2;  // at prefill (rows_batched; decode: 1)
 
-template <Bf16Requant kMode>
+template <Bf16Requant kMode, int ROWS>
 __global__ void __launch_bounds__(kThreads) activation_requant_bf16_kernel(const RequantBf16Args p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   const RowRouting& rt = p.routing;
@@ -293,19 +293,19 @@ __global__ void __launch_bounds__(kThreads) activation_requant_bf16_kernel(const
   const bool active = i0 < I;
   const float fc2 = kMode == Bf16Requant::kNvfp4 ? p.fc2_input_scale[0] : 1.0f;
   // r0 is uniform over the CTA, and so is `r0 + j < rows`: the shuffles below are safe.
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowsBf16; r0 < rows;
-       r0 += static_cast<int64_t>(gridDim.y) * kRowsBf16) {
-    float g[kRowsBf16][kVec] = {}, u[kRowsBf16][kVec] = {};
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * ROWS; r0 < rows;
+       r0 += static_cast<int64_t>(gridDim.y) * ROWS) {
+    float g[ROWS][kVec] = {}, u[ROWS][kVec] = {};
 #pragma unroll
-    for (int j = 0; j < kRowsBf16; ++j)
+    for (int j = 0; j < ROWS; ++j)
       if (active && r0 + j < rows) load_gate_up(p.act, p.h + (r0 + j) * p.rows1, I, i0, g[j], u[j]);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
 #pragma unroll
-      for (int j = 0; j < kRowsBf16; ++j)
+      for (int j = 0; j < ROWS; ++j)
         if (r0 + j < rows) p.s2[r0 + j] = w2_alpha_of(p, r0 + j);
     }
 #pragma unroll
-    for (int j = 0; j < kRowsBf16; ++j) {
+    for (int j = 0; j < ROWS; ++j) {
       if (r0 + j >= rows) break;
       float v[kVec] = {};
       if (active) activate8(p.act, g[j], u[j], v);
@@ -374,11 +374,11 @@ void activation_amax(const RowRouting& routing, const float* h, int64_t rows1, i
   if (routing.max_rows <= 0 || inter <= 0) return;
   RequantArgs p{routing, h, rows1, inter, act, nullptr, nullptr, amax_bits, nullptr, nullptr, nullptr};
   const int64_t grid_rows = routing.max_rows < kAmaxMaxGridRows ? routing.max_rows : kAmaxMaxGridRows;
-  const dim3 grid = rows_by_chunks((grid_rows + kRowsFp8 - 1) / kRowsFp8, inter, int64_t{kThreads} * kVec);
+  const dim3 grid = rows_by_chunks(grid_rows, inter, int64_t{kThreads} * kVec);
   if (inter % kVec == 0 && aligned_to(h, 16) && rows1 % 4 == 0) {
-    launch_kernel(activation_requant_kernel<true, true>, grid, kThreads, 0, stream, p);
+    launch_kernel(activation_requant_kernel<true, true, 1>, grid, kThreads, 0, stream, p);
   } else {
-    launch_kernel(activation_requant_kernel<true, false>, grid, kThreads, 0, stream, p);
+    launch_kernel(activation_requant_kernel<true, false, 1>, grid, kThreads, 0, stream, p);
   }
   check_cuda(cudaGetLastError(), "launch of fused_moe activation_amax");
 }
@@ -388,11 +388,14 @@ void activation_requant(const RowRouting& routing, const float* h, int64_t rows1
                         const float* w2_alpha, uint8_t* a_out, float* s2, cudaStream_t stream) {
   if (routing.max_rows <= 0 || inter <= 0) return;
   RequantArgs p{routing, h, rows1, inter, act, a2_static, amax_bits, nullptr, w2_alpha, a_out, s2};
-  const dim3 grid = rows_by_chunks_looped(routing.max_rows, inter, int64_t{kThreads} * kVec, kRowsFp8);
+  const bool batched = rows_batched(routing.max_rows, inter, int64_t{kThreads} * kVec);
+  const dim3 grid = rows_by_chunks_looped(routing.max_rows, inter, int64_t{kThreads} * kVec, batched ? kRowsFp8 : 1);
   if (inter % kVec == 0 && aligned_to(h, 16) && rows1 % 4 == 0 && aligned_to(a_out, 8)) {
-    launch_kernel(activation_requant_kernel<false, true>, grid, kThreads, 0, stream, p);
+    launch_kernel(batched ? activation_requant_kernel<false, true, kRowsFp8> : activation_requant_kernel<false, true, 1>,
+                  grid, kThreads, 0, stream, p);
   } else {
-    launch_kernel(activation_requant_kernel<false, false>, grid, kThreads, 0, stream, p);
+    launch_kernel(batched ? activation_requant_kernel<false, false, kRowsFp8> : activation_requant_kernel<false, false, 1>,
+                  grid, kThreads, 0, stream, p);
   }
   check_cuda(cudaGetLastError(), "launch of fused_moe activation_requant");
 }
@@ -406,20 +409,27 @@ void activation_requant_bf16(const RowRouting& routing, const float* h, int64_t 
     throw Error("inter", "I % 32 == 0 and 16-byte aligned h / a_out (activation_requant_bf16)",
                 "I = " + std::to_string(inter), ErrorKind::kRuntime);
   const RequantBf16Args p{routing, h, rows1, inter, act, fc2_input_scale, w2_alpha, a_out, s2};
-  const dim3 grid = rows_by_chunks_looped(routing.max_rows, inter, int64_t{kThreads} * kVec, kRowsBf16);
+  const bool batched = rows_batched(routing.max_rows, inter, int64_t{kThreads} * kVec);
+  const dim3 grid = rows_by_chunks_looped(routing.max_rows, inter, int64_t{kThreads} * kVec, batched ? kRowsBf16 : 1);
   const dim3 grid_per_token = rows_by_chunks(routing.max_rows, inter, int64_t{kThreads} * kVec);
   switch (requant) {
     case Bf16Requant::kBf16:
-      launch_kernel(activation_requant_bf16_kernel<Bf16Requant::kBf16>, grid, kThreads, 0, stream, p);
+      launch_kernel(batched ? activation_requant_bf16_kernel<Bf16Requant::kBf16, kRowsBf16>
+                            : activation_requant_bf16_kernel<Bf16Requant::kBf16, 1>,
+                    grid, kThreads, 0, stream, p);
       break;
     case Bf16Requant::kNvfp4:
-      launch_kernel(activation_requant_bf16_kernel<Bf16Requant::kNvfp4>, grid, kThreads, 0, stream, p);
+      launch_kernel(batched ? activation_requant_bf16_kernel<Bf16Requant::kNvfp4, kRowsBf16>
+                            : activation_requant_bf16_kernel<Bf16Requant::kNvfp4, 1>,
+                    grid, kThreads, 0, stream, p);
       break;
     case Bf16Requant::kNvfp4PerToken:
       launch_kernel(activation_requant_per_token_kernel, dim3(1, grid_per_token.y), kThreads, 0, stream, p);
       break;
     case Bf16Requant::kMxfp8:
-      launch_kernel(activation_requant_bf16_kernel<Bf16Requant::kMxfp8>, grid, kThreads, 0, stream, p);
+      launch_kernel(batched ? activation_requant_bf16_kernel<Bf16Requant::kMxfp8, kRowsBf16>
+                            : activation_requant_bf16_kernel<Bf16Requant::kMxfp8, 1>,
+                    grid, kThreads, 0, stream, p);
       break;
   }
   check_cuda(cudaGetLastError(), "launch of fused_moe activation_requant_bf16");

@@ -15,9 +15,10 @@
 //
 // Each thread converts 8 consecutive features (one 16-byte bf16 store; 16 / 4 / 8 input bytes), so
 // H % 8 == 0 and a 16-byte aligned x are required (the caller checks; GPU FP4 modes have H % 32 == 0,
-// so a chunk never straddles a scale block). A CTA takes kRows rows per pass (their dependent loads --
-// the row's slot, then its x chunk -- in flight together) and loops over the rows (grid capped at
-// ~16 CTAs per SM: rows_by_chunks_looped); one row per CTA ran at ~1 TB/s at prefill (H200, s17c).
+// so a chunk never straddles a scale block). At prefill (rows_batched) a CTA takes kRows rows per pass
+// (their dependent loads -- the row's slot, then its x chunk -- in flight together) and loops over the rows
+// (grid capped at ~16 CTAs per SM: rows_by_chunks_looped); one row per CTA ran at ~1 TB/s there (H200,
+// s17c). Decode keeps one row per CTA (a CTA's latency is the kernel's there).
 // Rows r >= expert_offsets[E_l] (read on the device) are neither read nor written.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -36,7 +37,7 @@ namespace {
 
 constexpr int kThreads = 128;  // 128 x 8 features = 1024 per CTA: H = 7168 is 7 CTAs per row
 constexpr int kChunk = 8;      // features per thread
-constexpr int kRows = 4;       // rows per CTA pass
+constexpr int kRows = 4;       // rows per CTA pass at prefill (rows_batched; decode: 1)
 
 struct GatherDequantArgs {
   RowRouting routing;
@@ -115,7 +116,7 @@ __device__ __forceinline__ uint4 convert_chunk(const RawChunk& r) {
 }
 
 // blockIdx.y = kRows rows (grid-stride over rows), blockIdx.x * kThreads + threadIdx.x = chunk of kChunk features.
-template <ActivationInput kInput>
+template <ActivationInput kInput, int ROWS>
 __global__ void __launch_bounds__(kThreads) gather_dequant_kernel(const GatherDequantArgs p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   const RowRouting& rt = p.routing;
@@ -123,24 +124,24 @@ __global__ void __launch_bounds__(kThreads) gather_dequant_kernel(const GatherDe
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const bool in_row = c < p.hidden / kChunk;
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRows; r0 < rows; r0 += static_cast<int64_t>(gridDim.y) * kRows) {
-    int32_t slot[kRows];  // < 0: past the rows (or a corrupted routing: nothing read or written)
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * ROWS; r0 < rows; r0 += static_cast<int64_t>(gridDim.y) * ROWS) {
+    int32_t slot[ROWS];  // < 0: past the rows (or a corrupted routing: nothing read or written)
 #pragma unroll
-    for (int j = 0; j < kRows; ++j) slot[j] = r0 + j < rows ? rt.input_permutation[r0 + j] : -1;
-    RawChunk raw[kRows];
+    for (int j = 0; j < ROWS; ++j) slot[j] = r0 + j < rows ? rt.input_permutation[r0 + j] : -1;
+    RawChunk raw[ROWS];
 #pragma unroll
-    for (int j = 0; j < kRows; ++j)
+    for (int j = 0; j < ROWS; ++j)
       if (in_row && slot[j] >= 0) raw[j] = load_chunk<kInput>(p, slot[j] / rt.topk, c);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
 #pragma unroll
-      for (int j = 0; j < kRows; ++j) {
+      for (int j = 0; j < ROWS; ++j) {
         if (slot[j] < 0) continue;
         const float alpha = p.w1_alpha != nullptr ? p.w1_alpha[rt.local_ids[slot[j]]] : 1.0f;
         p.s1[r0 + j] = alpha * (p.per_token_scale != nullptr ? p.per_token_scale[slot[j] / rt.topk] : 1.0f);
       }
     }
 #pragma unroll
-    for (int j = 0; j < kRows; ++j)
+    for (int j = 0; j < ROWS; ++j)
       if (in_row && slot[j] >= 0) reinterpret_cast<uint4*>(p.a_out + (r0 + j) * p.hidden)[c] = convert_chunk<kInput>(raw[j]);
   }
 }
@@ -153,16 +154,20 @@ void gather_dequantize(const RowRouting& routing, ActivationInput input, const v
   if (routing.max_rows <= 0) return;
   const GatherDequantArgs p{routing, x, x_scale, hidden, per_token_scale, w1_alpha, a_out, s1};
   if (hidden <= 0) return;
-  const dim3 grid = rows_by_chunks_looped(routing.max_rows, hidden, int64_t{kThreads} * kChunk, kRows);
+  const bool batched = rows_batched(routing.max_rows, hidden, int64_t{kThreads} * kChunk);
+  const dim3 grid = rows_by_chunks_looped(routing.max_rows, hidden, int64_t{kThreads} * kChunk, batched ? kRows : 1);
+  auto launch = [&](auto kernel_rows1, auto kernel_batched) {
+    launch_kernel(batched ? kernel_batched : kernel_rows1, grid, kThreads, 0, stream, p);
+  };
   switch (input) {
     case ActivationInput::kBf16:
-      launch_kernel(gather_dequant_kernel<ActivationInput::kBf16>, grid, kThreads, 0, stream, p);
+      launch(gather_dequant_kernel<ActivationInput::kBf16, 1>, gather_dequant_kernel<ActivationInput::kBf16, kRows>);
       break;
     case ActivationInput::kNvfp4:
-      launch_kernel(gather_dequant_kernel<ActivationInput::kNvfp4>, grid, kThreads, 0, stream, p);
+      launch(gather_dequant_kernel<ActivationInput::kNvfp4, 1>, gather_dequant_kernel<ActivationInput::kNvfp4, kRows>);
       break;
     case ActivationInput::kMxfp8:
-      launch_kernel(gather_dequant_kernel<ActivationInput::kMxfp8>, grid, kThreads, 0, stream, p);
+      launch(gather_dequant_kernel<ActivationInput::kMxfp8, 1>, gather_dequant_kernel<ActivationInput::kMxfp8, kRows>);
       break;
   }
   check_cuda(cudaGetLastError(), "launch of fused_moe gather_dequantize");
