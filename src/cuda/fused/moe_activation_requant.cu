@@ -69,26 +69,9 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[kVec]) {
   v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
 }
 
-// v[j] = act(h_row)[i0 + j], j < 8: i0 % 8 == 0, I % 8 == 0, h_row 16-byte aligned.
-__device__ __forceinline__ void activation8(const ActivationArgs& a, const float* h_row, int64_t inter, int64_t i0,
-                                            float (&v)[kVec]) {
-  if (a.activation == Activation::kRelu2) {
-    load8(h_row + i0, v);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) v[j] = activation::relu2<float>(v[j]);
-    return;
-  }
-  int64_t gate;
-  const int64_t up = up_column(a, inter, i0, &gate);
-  float g[kVec];
-  load8(h_row + gate, g);
-  load8(h_row + up, v);
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) v[j] = gated_value(a, g[j], v[j]);
-}
-
-// The loads of activation8 (g unused for ReLU^2) and its arithmetic, apart: the bf16 kernel issues the loads
-// of several rows before the arithmetic of any.
+// v[j] = act(h_row)[i0 + j], j < 8: i0 % 8 == 0, I % 8 == 0, h_row 16-byte aligned. Its loads
+// (load_gate_up; g unused for ReLU^2) and its arithmetic (activate8) apart: the batched kernels issue the
+// loads of several rows before the arithmetic of any.
 __device__ __forceinline__ void load_gate_up(const ActivationArgs& a, const float* h_row, int64_t inter, int64_t i0,
                                              float (&g)[kVec], float (&u)[kVec]) {
   if (a.activation == Activation::kRelu2) {
@@ -105,6 +88,19 @@ __device__ __forceinline__ void activate8(const ActivationArgs& a, const float (
 #pragma unroll
   for (int j = 0; j < kVec; ++j)
     v[j] = a.activation == Activation::kRelu2 ? activation::relu2<float>(u[j]) : gated_value(a, g[j], u[j]);
+}
+__device__ __forceinline__ void activation8(const ActivationArgs& a, const float* h_row, int64_t inter, int64_t i0,
+                                            float (&v)[kVec]) {
+  if (a.activation == Activation::kRelu2) {
+    load8(h_row + i0, v);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[j] = activation::relu2<float>(v[j]);
+    return;
+  }
+  float g[kVec], u[kVec];
+  load_gate_up(a, h_row, inter, i0, g, u);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) v[j] = gated_value(a, g[j], u[j]);
 }
 
 struct RequantArgs {
