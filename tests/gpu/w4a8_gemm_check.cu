@@ -12,7 +12,8 @@
 // through the validating API (3 warm-ups, median of 20) and around 32 back-to-back launcher calls
 // (the table uses the latter with QMOE_BENCH_BATCH=1); routings rotated (different experts each
 // launch, weights of all 256 experts >> L2). Filters: QMOE_BENCH_GEMM, QMOE_BENCH_T (comma list of any T),
-// QMOE_BENCH_TACTIC (a name or "heuristic"), QMOE_BENCH_SHAPES (other E:topk:N:K shapes);
+// QMOE_BENCH_TACTIC (a name or "heuristic"), QMOE_BENCH_SHAPES (other E:topk:N:K shapes),
+// QMOE_BENCH_PER_ROW_SCALES=1 (a per-row a_scales, as the fused w4a8_int4 GEMMs; default one scale);
 // --bench-only skips the checks (for profilers).
 // Build: tests/gpu/build_w4a8_check.sh build/w4a8_check. Exit status 0 only when every check
 // passes. The short table is printed last.
@@ -263,9 +264,13 @@ void bench(std::vector<BenchRow>& rows_out) {
       float* as = nullptr;
       CHECK_CUDA(cudaMalloc(&a, r * k));
       CHECK_CUDA(cudaMalloc(&d, r * n * 2));
-      CHECK_CUDA(cudaMalloc(&as, 4));
-      const float one = 0.01f;
-      CHECK_CUDA(cudaMemcpy(as, &one, 4, cudaMemcpyHostToDevice));
+      // QMOE_BENCH_PER_ROW_SCALES=1: a per-row a_scales [R] (the fused w4a8_int4 path's s1 / s2) instead of
+      // SGLang's one per-tensor scale: the two epilogues load them differently.
+      const bool per_row = std::getenv("QMOE_BENCH_PER_ROW_SCALES") != nullptr;
+      const int64_t n_scales = per_row ? r : 1;
+      CHECK_CUDA(cudaMalloc(&as, n_scales * 4));
+      const std::vector<float> scale_values(n_scales, 0.01f);
+      CHECK_CUDA(cudaMemcpy(as, scale_values.data(), n_scales * 4, cudaMemcpyHostToDevice));
       fill_random<<<2048, 256>>>(a, r * k, 99u, 1);
       // Routings: each token takes topk distinct uniform experts.
       std::mt19937 rng(7 + t);
@@ -300,7 +305,7 @@ void bench(std::vector<BenchRow>& rows_out) {
       args.d = cref(d, qmoe::DType::kBFloat16, {r, n});
       args.a = cref(a, qmoe::DType::kFloat8E4M3, {r, k});
       args.b = cref(b, qmoe::DType::kInt8, {E, n, k / 2});
-      args.a_scales = cref(as, qmoe::DType::kFloat32, {1});
+      args.a_scales = cref(as, qmoe::DType::kFloat32, {n_scales});
       if (k % 512 == 0) args.b_scales = cref(s, qmoe::DType::kBFloat16, {E, k / 512, 4 * n});
       else args.b_scales = cref(s, qmoe::DType::kBFloat16, {E, k / 128, n});
       qmoe::GemmProblem gp{n, k, r, E, topk};
