@@ -248,6 +248,7 @@ Tactic select_tactic(const GemmProblem& problem) {
   // The bf16 64-row tile where the n8 grid leaves SMs idle but fills more than half of them: at 92-128 n8 CTAs
   // it is 1.1-1.4x faster; at 64 (Mixtral GEMM2, T = 1: both ~65 us, bound by the walk along K) it is not.
   const bool bf16_small_grid = small_grid && 2 * n8_ctas > kHopperSms;
+  const double bf16_n160_cost = problem.fp4_weights ? kBf16Fp4WgmmaN160TileCost : kBf16WgmmaN160TileCost;
   if (problem.bf16_activations) {
     t = rows_per_expert <= kBf16N8MaxRows && bf16_small_grid         ? make(Family::kDecode, 64, 8, 256)
         : rows_per_expert <= kBf16N8MaxRows                          ? make(Family::kDecode, 128, 8, 256)
@@ -255,9 +256,7 @@ Tactic select_tactic(const GemmProblem& problem) {
         : rows_per_expert <= kBf16N24MaxRows                         ? make(Family::kDecode, 128, 24, 256)
         : rows_per_expert <= kBf16N32MaxRows                         ? make(Family::kDecode, 128, 32, 256)
         : wgmma_tile_pays(64, mu, experts, kBf16WgmmaN64TileCost)    ? make(Family::kPrefill, 128, 64, 128)
-        : wgmma_tile_pays(160, mu, experts,
-                          problem.fp4_weights ? kBf16Fp4WgmmaN160TileCost : kBf16WgmmaN160TileCost)
-            ? make(Family::kPrefill, 128, 160, 128)
+        : wgmma_tile_pays(160, mu, experts, bf16_n160_cost)          ? make(Family::kPrefill, 128, 160, 128)
                                                                      : make(Family::kPrefill, 128, 128, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
     t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);
