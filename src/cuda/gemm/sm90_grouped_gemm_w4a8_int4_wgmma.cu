@@ -427,6 +427,12 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     for (int k = 0; k < 4; ++k)
       wgmma_prefill::wgmma_k32<TILE_N>(part, a[k][0], a[k][1], a[k][2], a[k][3], desc + 2 * k, k > 0);
     wgmma::wgmma_commit();
+    // The epilogue's a_scales, loaded while the tile's last wgmmas run (the 128-token tile; the 160-token
+    // tile's acc + part + two operands leave no registers for them).
+    constexpr bool kEarlyScales = TILE_N == 128;
+    const bool last = g == groups - 1;
+    float sc[TILE_N / 4];
+    if (kEarlyScales && last) wgmma::load_tile_scales<TILE_N>(p, t, tig, sc);
     if (kOverlapConvert && more) convert(it + 1, a_next);
     wgmma::wgmma_wait_all();
     wgmma::fence_operands(part);
@@ -436,16 +442,17 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       convert(it + 1, a_next);
     }
     wgmma::promote_group(acc, part, s0, s1);
-    if (g == groups - 1) {
+    if (last) {
+      if (!kEarlyScales) wgmma::load_tile_scales<TILE_N>(p, t, tig, sc);
       if constexpr (kAct) {
         // Fused epilogue: park h (once the loading warpgroup has taken the previous tile's), signal,
         // and go on with the next tile; the loading warpgroup writes A2 and s2 from park.
         const int u = tile_index;
         if (u > 0) mbar_wait(park_free, (u - 1) & 1);
-        wgmma::park_tile<TILE_N>(p, t, acc, park, r0, tig);
+        wgmma::park_tile<TILE_N>(t, acc, sc, park, r0, tig);
         mbar_arrive(parked);
       } else {
-        wgmma::store_tile<OutT, TILE_N>(p, t, acc, r0, tig);
+        wgmma::store_tile<OutT, TILE_N>(p, t, acc, sc, r0, tig);
       }
     }
   };

@@ -76,19 +76,37 @@ __device__ __forceinline__ void promote_group(float (&acc)[N], const float (&par
   }
 }
 
-// Visits this thread's accumulators of tile t once: f(token column c, a_scale of its row, accumulator
+// The a_scale of each of this thread's token columns c = 8 j + 2 tig + h of tile t (sc[2 j + h]; 1 past the
+// tile's rows). A kernel may load them while the tile's last wgmmas run (their latency otherwise comes once
+// per tile on top of the epilogue: 15-37% of a small-K GEMM on the bf16 kernel, s17e).
+template <int TILE_N>
+__device__ __forceinline__ void load_tile_scales(const WgmmaGemmParams& p, const GroupedTile& t, int tig,
+                                                 float (&sc)[TILE_N / 4]) {
+  if (!p.a_scales_per_row) {  // one scale (SGLang's a_scales [1]): one load, the same register everywhere
+    const float s = p.a_scales[0];
+#pragma unroll
+    for (int i = 0; i < TILE_N / 4; ++i) sc[i] = s;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < TILE_N / 4; ++i) {
+    const int c = 8 * (i / 2) + 2 * tig + (i % 2);
+    sc[i] = c >= t.rows ? 1.0f : p.a_scales[t.row0 + c];
+  }
+}
+
+// Visits this thread's accumulators of tile t once: f(token column c, a_scale of its row (sc), accumulator
 // of row r0, accumulator of row r1) for the token columns c = 8 j + 2 tig + h inside the tile's rows,
 // then zeroes every accumulator (also past the rows) for the next tile.
 template <int TILE_N, class F>
-__device__ __forceinline__ void for_each_tile_value(const WgmmaGemmParams& p, const GroupedTile& t,
-                                                    float (&acc)[TILE_N / 2], int tig, F&& f) {
+__device__ __forceinline__ void for_each_tile_value(const GroupedTile& t, float (&acc)[TILE_N / 2], int tig,
+                                                    const float (&sc)[TILE_N / 4], F&& f) {
 #pragma unroll
   for (int j = 0; j < TILE_N / 8; ++j) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int c = 8 * j + 2 * tig + h;
-      if (c < t.rows)
-        f(c, p.a_scales_per_row ? p.a_scales[t.row0 + c] : p.a_scales[0], acc[4 * j + h], acc[4 * j + 2 + h]);
+      if (c < t.rows) f(c, sc[2 * j + h], acc[4 * j + h], acc[4 * j + 2 + h]);
       acc[4 * j + h] = 0.f;
       acc[4 * j + 2 + h] = 0.f;
     }
@@ -99,25 +117,41 @@ __device__ __forceinline__ void for_each_tile_value(const WgmmaGemmParams& p, co
 // (features r0 and r0 + 1) into park as h = a_scale(row) * acc, the value the fp32 epilogue stores
 // (__fmul_rn: one rounding, never contracted), one float2 per token. Token columns past the tile's rows
 // are not written (act_requant_items reads only t.rows tokens).
+// sc: the tile's a_scales (load_tile_scales).
+template <int TILE_N>
+__device__ __forceinline__ void park_tile(const GroupedTile& t, float (&acc)[TILE_N / 2], const float (&sc)[TILE_N / 4],
+                                          float* park, int r0, int tig) {
+  for_each_tile_value<TILE_N>(t, acc, tig, sc, [&](int c, float s, float a0, float a1) {
+    *reinterpret_cast<float2*>(park + c * kParkStride + r0) = make_float2(__fmul_rn(s, a0), __fmul_rn(s, a1));
+  });
+}
 template <int TILE_N>
 __device__ __forceinline__ void park_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
                                           float* park, int r0, int tig) {
-  for_each_tile_value<TILE_N>(p, t, acc, tig, [&](int c, float sc, float a0, float a1) {
-    *reinterpret_cast<float2*>(park + c * kParkStride + r0) = make_float2(__fmul_rn(sc, a0), __fmul_rn(sc, a1));
-  });
+  float sc[TILE_N / 4];
+  load_tile_scales<TILE_N>(p, t, tig, sc);
+  park_tile<TILE_N>(t, acc, sc, park, r0, tig);
 }
 
 // The plain epilogue (both kernels): accumulators (features r0, r0 + 1; r0 even) of token column c of
 // tile t -> D[token, feature] = out(a_scale(token) * acc), one paired store per token. The op's limits
 // (N % 8 == 0, 16-byte aligned D) keep the pair inside N and aligned.
+// sc: the tile's a_scales (load_tile_scales).
+template <class OutT, int TILE_N>
+__device__ __forceinline__ void store_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
+                                           const float (&sc)[TILE_N / 4], int r0, int tig) {
+  const bool ok = t.n0 + r0 < p.n;
+  for_each_tile_value<TILE_N>(t, acc, tig, sc, [&](int c, float s, float a0, float a1) {
+    OutT* out = static_cast<OutT*>(p.d) + (t.row0 + c) * int64_t{p.n} + t.n0 + r0;
+    if (ok) store_out_pair(out, s * a0, s * a1);
+  });
+}
 template <class OutT, int TILE_N>
 __device__ __forceinline__ void store_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
                                            int r0, int tig) {
-  const bool ok = t.n0 + r0 < p.n;
-  for_each_tile_value<TILE_N>(p, t, acc, tig, [&](int c, float sc, float a0, float a1) {
-    OutT* out = static_cast<OutT*>(p.d) + (t.row0 + c) * int64_t{p.n} + t.n0 + r0;
-    if (ok) store_out_pair(out, sc * a0, sc * a1);
-  });
+  float sc[TILE_N / 4];
+  load_tile_scales<TILE_N>(p, t, tig, sc);
+  store_tile<OutT, TILE_N>(p, t, acc, sc, r0, tig);
 }
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
