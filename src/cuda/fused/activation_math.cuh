@@ -5,7 +5,9 @@
 // functions and nothing else:
 //
 //   v        = gated_value(act, g, u)     (ReLU^2, not gated: activation::relu2<float>(h))
-//   q        = requant_value(v, a2)       = v / a2, IEEE round-to-nearest division (as the reference)
+//   q        = requant_value(v, a2)       = v / a2, IEEE round-to-nearest division (as the reference;
+//                                            the separate kernel forms it as UniformDivisor(a2).divide(v),
+//                                            the same bits: cuda/common/exact_rounding.cuh)
 //   A2 code  = e4m3x2 / e4m3x4 of q       (fused_moe_common.cuh)
 //   s2[r]    = s2_value(a2, w2_alpha, e)  = a2 * (w2_alpha ? w2_alpha[e] : 1)
 //

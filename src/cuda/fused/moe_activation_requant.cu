@@ -34,11 +34,14 @@
 // any other reduction order. The per-token NVFP4 mode needs the row amax first: one CTA per row.
 // Limits: vector path when I % 8 == 0 (all GPU modes: I % 32 or % 128); activation_requant keeps a
 // one-feature-at-a-time path otherwise, activation_requant_bf16 requires I % 32 == 0 (caller checks).
-// Arithmetic per feature is unchanged (same activation function, IEEE divisions, same codecs).
+// Arithmetic per feature is unchanged (same activation function, IEEE divisions, same codecs); the divisions by
+// a scale shared by many features (a2, the NVFP4 block scale, the MX power of two) are done with one reciprocal
+// and FMA corrections or an exact multiply, bit-identical (cuda/common/exact_rounding.cuh).
 #include <cuda_runtime.h>
 
 #include <string>
 
+#include "cuda/common/exact_rounding.cuh"  // UniformDivisor, e2m1_round
 #include "cuda/fused/activation_math.cuh"  // gated_value, up_column, requant_value, s2_value
 #include "cuda/fused/fused_moe_common.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
@@ -134,6 +137,7 @@ __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const Requ
   uint32_t m = 0;
   float a2 = 1.0f;
   if (!kAmaxOnly) a2 = p.a2_static != nullptr ? p.a2_static[0] : dynamic_fp8_scale(*p.amax_in);
+  const UniformDivisor by_a2(a2);  // v / a2 without a division per feature (exact_rounding.cuh)
   for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * ROWS; r0 < rows;
        r0 += static_cast<int64_t>(gridDim.y) * ROWS) {
     if (!kAmaxOnly && blockIdx.x == 0 && threadIdx.x == 0) {
@@ -172,7 +176,7 @@ __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const Requ
         if constexpr (kVectorized) {
           float q[kVec];
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) q[j] = requant_value(v[j], a2);  // IEEE division, as the reference
+          for (int j = 0; j < kVec; ++j) q[j] = by_a2.divide(v[j]);  // = requant_value(v[j], a2), bit for bit
           *reinterpret_cast<uint2*>(dst) = make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
         } else {
           for (int j = 0; j < kVec && i0 + j < I; ++j) dst[j] = e4m3_of(requant_value(v[j], a2));
@@ -203,30 +207,14 @@ __device__ __forceinline__ float group_amax(const float (&v)[kVec]) {
   return __uint_as_float(m);
 }
 
-// e2m1_to_float(float_to_e2m1(x)) without the codecs' lookup table (a local-memory array on the GPU):
-// the same round-to-nearest-even grid value (ties as the codec: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
-// 2.5 -> 2, 3.5 -> 4, 5 -> 4), saturating to 6, the sign kept (also on zero); NaN -> +6 (code 0x7).
-__device__ __forceinline__ float e2m1_round(float x) {
-  const uint32_t u = __float_as_uint(x);
-  const float a = __uint_as_float(u & 0x7fffffffu);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 6.0f;
-  const float m = a <= 0.25f  ? 0.0f
-                  : a < 0.75f ? 0.5f
-                  : a <= 1.25f ? 1.0f
-                  : a < 1.75f ? 1.5f
-                  : a <= 2.5f ? 2.0f
-                  : a < 3.5f  ? 3.0f
-                  : a <= 5.0f ? 4.0f
-                              : 6.0f;
-  return __uint_as_float(__float_as_uint(m) | (u & 0x80000000u));
-}
-
 // The reference's nvfp4_block over the 16-feature block of the thread: md = e2m1(v * gs / sf) * sf.
+// x / sf by one reciprocal and FMA corrections (bit-identical to the IEEE division, exact_rounding.cuh).
 __device__ __forceinline__ void nvfp4_dequant(float (&v)[kVec], float gs) {
   const float sf = e4m3_to_float(e4m3_of(gs * group_amax<2>(v) / 6.0f));
+  const UniformDivisor by_sf(sf);
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
-    const float q = sf == 0.0f ? 0.0f : e2m1_round(v[j] * gs / sf);
+    const float q = sf == 0.0f ? 0.0f : e2m1_round(by_sf.divide(__fmul_rn(v[j], gs)));
     v[j] = q * sf;
   }
 }
@@ -234,8 +222,10 @@ __device__ __forceinline__ void nvfp4_dequant(float (&v)[kVec], float gs) {
 // The reference's mxfp8_block over the 32-feature block of the thread: md = e4m3(v / s) * s.
 __device__ __forceinline__ void mxfp8_dequant(float (&v)[kVec]) {
   const float s = ue8m0_to_float(ue8m0_ceil(group_amax<4>(v) / 448.0f));
+  // s is a power of two (or NaN): 1 / s is exact (2^-127 a subnormal), so v * (1 / s) is v / s rounded once.
+  const float inv = __frcp_rn(s);
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) v[j] = e4m3_to_float(e4m3_of(v[j] / s)) * s;
+  for (int j = 0; j < kVec; ++j) v[j] = e4m3_to_float(e4m3_of(__fmul_rn(v[j], inv))) * s;
 }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {

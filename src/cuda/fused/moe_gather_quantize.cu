@@ -19,6 +19,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "cuda/common/exact_rounding.cuh"  // UniformDivisor
 #include "cuda/fused/fused_moe_common.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/launch.h"
@@ -116,10 +117,11 @@ __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const G
         const uint4 in = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + t * H + h0);
         const uint32_t w[4] = {in.x, in.y, in.z, in.w};
         float q[kVec];
+        const UniformDivisor by_a1(a1);  // x / a1, the reference's IEEE division, bit for bit (exact_rounding.cuh)
 #pragma unroll
-        for (int j = 0; j < kVec / 2; ++j) {  // x / a1 is the reference's IEEE division (no reciprocal)
-          q[2 * j] = __fdiv_rn(__uint_as_float(w[j] << 16), a1);
-          q[2 * j + 1] = __fdiv_rn(__uint_as_float(w[j] & 0xffff0000u), a1);
+        for (int j = 0; j < kVec / 2; ++j) {
+          q[2 * j] = by_a1.divide(__uint_as_float(w[j] << 16));
+          q[2 * j + 1] = by_a1.divide(__uint_as_float(w[j] & 0xffff0000u));
         }
         codes = make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
       }
