@@ -12,7 +12,7 @@
 // Timing (--bench [max T]): GEMM1-like (N 4096, K 7168) and GEMM2-like (N 7168, K 2048), E 256, top-8
 // uniform routing, T in {1, 8, 64, 512, 4096}, every tactic; median of 20 launches over 8 rotated
 // routings. QMOE_BENCH_SHAPES / QMOE_BENCH_T (bench_env.h) replace the shapes / the token list (the
-// gemm column then names the shape by its index: gemm1, gemm2, ...).
+// gemm column then names the shape by its index: gemm1, gemm2, ...); --bench-only skips MXFP4 unless QMOE_BENCH_MX=1.
 // Build: tests/gpu/build_w4a8_check.sh build/bf16_w4_check tests/gpu/bf16_w4_gemm_check.cu.
 #include <cuda_runtime.h>
 
@@ -114,8 +114,11 @@ void run_case(const Case& c, const qmoe::Tactic& tactic, uint32_t seed) {
     for (int64_t e = 0; e < E; ++e)
       for (int64_t n = 0; n < N; ++n)
         for (int64_t j = 0; j < kb; ++j) {
+          // MXFP4: 2^-9..2^4 (scales above 2^1 put a warp on the two-multiply decode), or on every other
+          // seed 2^-17..2^1 (all <= 2^1: the one-multiply decode).
           const uint8_t code = c.format == W4Format::kNvfp4 ? static_cast<uint8_t>(0x08 + rng() % 0x60)   // 2^-6.. ~2^5
-                                                            : static_cast<uint8_t>(118 + rng() % 14);   // 2^-9..2^4
+                               : seed % 2 ? static_cast<uint8_t>(118 + rng() % 14)
+                                          : static_cast<uint8_t>(110 + rng() % 19);
           scales[swizzled_offset(e, n, j, mt, kt)] = code;
           wscale[(e * N + n) * kb + j] =
               c.format == W4Format::kNvfp4 ? qmoe::e4m3_to_float(code) : qmoe::ue8m0_to_float(code);
@@ -290,7 +293,7 @@ void bench(W4Format format, const std::string& name, const BenchShape& shape, co
   if (int4) {
     fill_random<<<1024, 256>>>(ds, s_bytes, 2, 0, 0);  // bf16 bytes; NaN-free enough for timing
   } else {
-    fill_random<<<1024, 256>>>(ds, s_bytes, 2, format == W4Format::kNvfp4 ? 0x20 : 120, 16);
+    fill_random<<<1024, 256>>>(ds, s_bytes, 2, format == W4Format::kNvfp4 ? 0x20 : 112, 16);  // MX: 2^-15..2^0
   }
   const int64_t max_t = tokens.empty() ? 0 : *std::max_element(tokens.begin(), tokens.end());
   const int64_t max_rows = std::max<int64_t>(max_t, 1) * topk;
@@ -386,7 +389,7 @@ int main(int argc, char** argv) {
     std::printf("\n| format | gemm  | T     | tactic (* = heuristic)  | us        | TB/s   | TFLOP/s |\n"
                 "|---|---|---|---|---|---|---|\n");
     for (W4Format f : {W4Format::kNvfp4, W4Format::kMxfp4, W4Format::kInt4G128}) {
-      if (bench_only && f == W4Format::kMxfp4) continue;
+      if (bench_only && f == W4Format::kMxfp4 && std::getenv("QMOE_BENCH_MX") == nullptr) continue;
       const std::vector<BenchShape> shapes = bench_shapes({{256, 8, 4096, 7168}, {256, 8, 7168, 2048}});
       const std::vector<int> tokens = bench_tokens({1, 8, 64, 512, 4096});
       for (size_t i = 0; i < shapes.size(); ++i) bench(f, "gemm" + std::to_string(i + 1), shapes[i], tokens);

@@ -359,6 +359,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       }
       // FP4 scales of this thread's blocks, per row half: [mf][h][word / 2 (NVFP4) or 0 (MX)].
       uint32_t sc[MF][2][2];
+      [[maybe_unused]] int mx_byte[MF][2];
       if constexpr (!kInt4) {
         const int row_base = kHalfScaleTile ? stage_scale_row[it % STAGES] : 0;
 #pragma unroll
@@ -378,8 +379,28 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
             } else {
               const int blk = gg * 4 + tig;
               const uint8_t one = ss[(blk / 4) * 512 + row_off + (blk % 4)];
-              sc[mf][h][0] = sc[mf][h][1] = g * 4 + tig < p.scale_blocks ? scale_splat<F>(one) : 0u;
+              mx_byte[mf][h] = g * 4 + tig < p.scale_blocks ? one : -1;  // -1: past K (scale 0)
             }
+          }
+      }
+      // MXFP4: when every scale of the warp's group is <= 2^1 (s <= 128: MX weight scales in practice), one
+      // multiply by the bf16 2^(s - 1) per pair (the NVFP4 decode) instead of * 2^126, * 2^(s - 127); the
+      // product e2m1 * 2^(s - 127) is the same exact value. A warp vote: mma.sync needs the whole warp on one path.
+      bool mx_fast = false;
+      if constexpr (F == W4Format::kMxfp4) {
+        bool small = true;
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) small = small && mx_byte[mf][h] <= 128;
+        mx_fast = __all_sync(0xffffffffu, small);
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int b = mx_byte[mf][h];
+            const uint32_t fast = static_cast<uint32_t>(b + 126) << 7;
+            sc[mf][h][0] = sc[mf][h][1] = b < 0 ? 0u : mx_fast ? (fast | (fast << 16)) : scale_splat<F>(b);
           }
       }
       float part[MF][NF][4];
@@ -393,41 +414,49 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       }
       float(*target)[NF][4] = kInt4 ? part : acc;  // int4: a fresh chain per group; FP4: straight into acc
 
+      auto mma_group = [&](auto fast_tag) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {  // weight word j = activation chunk j of this thread
-        uint4 x[NF];
-#pragma unroll
-        for (int nf = 0; nf < NF; ++nf) {
-          const int t = (warp_n * NF + nf) * 8 + gid;
-          x[nf] = *reinterpret_cast<const uint4*>(sa + t * kRowBytesA + (swizzle_a(gg * 16 + tig * 4 + j, t) << 4));
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {  // MMA step 2 j + half: pairs (2 half, +4), (2 half + 1, +4)
-          uint32_t b0[NF], b1[NF];
+        for (int j = 0; j < 4; ++j) {  // weight word j = activation chunk j of this thread
+          uint4 x[NF];
 #pragma unroll
           for (int nf = 0; nf < NF; ++nf) {
-            const uint32_t lo = half == 0 ? x[nf].x : x[nf].y;  // K 2 half, 2 half + 1
-            const uint32_t hi = half == 0 ? x[nf].z : x[nf].w;  // K 2 half + 4, 2 half + 5
-            b0[nf] = prmt(lo, hi, 0x5410);
-            b1[nf] = prmt(lo, hi, 0x7632);
+            const int t = (warp_n * NF + nf) * 8 + gid;
+            x[nf] = *reinterpret_cast<const uint4*>(sa + t * kRowBytesA + (swizzle_a(gg * 16 + tig * 4 + j, t) << 4));
           }
 #pragma unroll
-          for (int mf = 0; mf < MF; ++mf) {
-            const uint32_t w0 = j == 0 ? w[mf][0].x : j == 1 ? w[mf][0].y : j == 2 ? w[mf][0].z : w[mf][0].w;
-            const uint32_t w1 = j == 0 ? w[mf][1].x : j == 1 ? w[mf][1].y : j == 2 ? w[mf][1].z : w[mf][1].w;
-            uint32_t s0 = 0, s1 = 0;
-            if constexpr (!kInt4) {
-              s0 = sc[mf][0][j / 2];
-              s1 = sc[mf][1][j / 2];
-            }
-            const uint32_t a0 = decode_pair<F>(w0, 2 * half, s0);
-            const uint32_t a2 = decode_pair<F>(w0, 2 * half + 1, s0);
-            const uint32_t a1 = decode_pair<F>(w1, 2 * half, s1);
-            const uint32_t a3 = decode_pair<F>(w1, 2 * half + 1, s1);
+          for (int half = 0; half < 2; ++half) {  // MMA step 2 j + half: pairs (2 half, +4), (2 half + 1, +4)
+            uint32_t b0[NF], b1[NF];
 #pragma unroll
-            for (int nf = 0; nf < NF; ++nf) mma_bf16(target[mf][nf], a0, a1, a2, a3, b0[nf], b1[nf]);
+            for (int nf = 0; nf < NF; ++nf) {
+              const uint32_t lo = half == 0 ? x[nf].x : x[nf].y;  // K 2 half, 2 half + 1
+              const uint32_t hi = half == 0 ? x[nf].z : x[nf].w;  // K 2 half + 4, 2 half + 5
+              b0[nf] = prmt(lo, hi, 0x5410);
+              b1[nf] = prmt(lo, hi, 0x7632);
+            }
+#pragma unroll
+            for (int mf = 0; mf < MF; ++mf) {
+              const uint32_t w0 = j == 0 ? w[mf][0].x : j == 1 ? w[mf][0].y : j == 2 ? w[mf][0].z : w[mf][0].w;
+              const uint32_t w1 = j == 0 ? w[mf][1].x : j == 1 ? w[mf][1].y : j == 2 ? w[mf][1].z : w[mf][1].w;
+              uint32_t s0 = 0, s1 = 0;
+              if constexpr (!kInt4) {
+                s0 = sc[mf][0][j / 2];
+                s1 = sc[mf][1][j / 2];
+              }
+              constexpr W4Format kDecode = decltype(fast_tag)::value ? W4Format::kNvfp4 : F;  // MX fast: one multiply
+              const uint32_t a0 = decode_pair<kDecode>(w0, 2 * half, s0);
+              const uint32_t a2 = decode_pair<kDecode>(w0, 2 * half + 1, s0);
+              const uint32_t a1 = decode_pair<kDecode>(w1, 2 * half, s1);
+              const uint32_t a3 = decode_pair<kDecode>(w1, 2 * half + 1, s1);
+#pragma unroll
+              for (int nf = 0; nf < NF; ++nf) mma_bf16(target[mf][nf], a0, a1, a2, a3, b0[nf], b1[nf]);
+            }
           }
         }
+      };
+      if (mx_fast) {
+        mma_group(std::true_type{});
+      } else {
+        mma_group(std::false_type{});
       }
       if constexpr (kInt4) {
         // Group promotion: acc += S[row, g] * part (fp32, g increasing).
