@@ -135,6 +135,13 @@ constexpr int64_t kDecodeN16MaxRows = 14;
 // everywhere (DeepSeek-V3 GEMM1 2109 vs 2215). So n24 up to 19 rows, the 32-token tile up to 26.
 constexpr int64_t kDecodeN24MaxRows = 19;
 constexpr int64_t kWgmmaN32MaxRows = 26;
+// Since the WGMMA tiles load their a_scales during the last wgmmas (s18, bfd4e87: 1.02-1.23x at small K), the
+// 32-token tile beats n24 at 16 rows per expert when K is small (bench/results/2026-12-01_s18c_*: Qwen3-30B GEMM2
+// K 768 66.5 vs 76.5 us, Qwen3-235B GEMM2 K 1536 220.0 vs 225.7, Qwen3-30B GEMM1 K 2048 110.5 vs 110.8) but not
+// at K 4096 / 14336 (Mixtral GEMM1 236.6 vs 217.8, GEMM2 119.2 vs 105.0): the n24 tile's K walk is shorter there.
+// So with K <= 2048 the 32-token tile from 16 rows.
+constexpr int64_t kWgmmaN32SmallKMinRows = 16;
+constexpr int64_t kWgmmaN32SmallKMaxK = 2048;
 // Where the 128-row tiles of all experts fit in one wave (few experts, small N: Mixtral's GEMM2, 8 x 32
 // tiles <= 2 CTAs x 132 SMs) the slowest expert sets the time, and a second token tile is a second wave:
 // n24 from 12 rows (Mixtral GEMM2 12-18 rows: n24 108-123 us, n16 132-175, n32 141) up to 18 (at 20
@@ -264,7 +271,8 @@ Tactic select_tactic(const GemmProblem& problem) {
     t = make(Family::kDecode, 128, 24, 256);
   } else if (rows_per_expert <= kDecodeN16MaxRows) {
     t = make(Family::kDecode, 128, 16, 256);
-  } else if (rows_per_expert <= kDecodeN24MaxRows && !one_wave) {
+  } else if (rows_per_expert <= kDecodeN24MaxRows && !one_wave &&
+             !(problem.k <= kWgmmaN32SmallKMaxK && rows_per_expert >= kWgmmaN32SmallKMinRows)) {
     t = make(Family::kDecode, 128, 24, 256);
   } else if (rows_per_expert <= kWgmmaN32MaxRows) {
     t = make(Family::kPrefill, 128, 32, 128);  // WGMMA, 32-token tiles, 8 stages

@@ -76,6 +76,23 @@ TEST(Tactics, DecodeN24From15To19RowsThenWgmmaN32To26) {
   EXPECT_EQ(qmoe::select_tactic(problem(80 * 2, 8, 28672)).name(), "prefill_m128_n32_k128");  // 20 rows
 }
 
+// K <= 2048: the 32-token WGMMA tile from 16 rows per expert (s18c), n24 at 15 rows and above K 2048.
+TEST(Tactics, WgmmaN32From16RowsAtSmallK) {
+  auto pick = [](int64_t rows, int64_t experts, int64_t n, int64_t k) {
+    return qmoe::select_tactic(problem(rows, experts, n, k)).name();
+  };
+  EXPECT_EQ(pick(16 * 128, 128, 2048, 768), "prefill_m128_n32_k128");   // Qwen3-30B GEMM2, T = 256
+  EXPECT_EQ(pick(16 * 128, 128, 1536, 2048), "prefill_m128_n32_k128");  // Qwen3-30B GEMM1, T = 256
+  EXPECT_EQ(pick(16 * 128, 128, 4096, 1536), "prefill_m128_n32_k128");  // Qwen3-235B GEMM2, T = 256
+  EXPECT_EQ(pick(15 * 128, 128, 2048, 768), "decode_m128_n24_k256");    // 15 rows
+  EXPECT_EQ(pick(16 * 128, 128, 3072, 4096), "decode_m128_n24_k256");   // Qwen3-235B GEMM1: K 4096
+  EXPECT_EQ(pick(16 * 256, 256, 7168, 2048), "prefill_m128_n32_k128");  // DeepSeek-V3 GEMM2 at 16 rows
+  EXPECT_EQ(pick(16 * 256, 256, 4096, 7168), "decode_m128_n24_k256");   // DeepSeek-V3 GEMM1
+  EXPECT_EQ(pick(64 * 2, 8, 28672, 4096), "decode_m128_n24_k256");      // Mixtral GEMM1, T = 64
+  EXPECT_EQ(pick(64 * 2, 8, 4096, 14336), "decode_m128_n24_k256");      // Mixtral GEMM2 (one wave)
+  EXPECT_EQ(pick(64 * 2, 8, 4096, 2048), "decode_m128_n24_k256");       // one wave: its own n24 rule first
+}
+
 // Tiles of all experts in one wave (two CTAs per SM: <= 264 tiles of 128 rows): n24 at 12-18 rows.
 TEST(Tactics, DecodeN24WhenOneWaveAt12To18Rows) {
   auto pick = [](int64_t rows, int64_t experts, int64_t n) {
