@@ -110,8 +110,11 @@ constexpr int64_t kDecodeN8MaxRows = 4;
 // rows they tie (1417 vs 1395, 780 vs 797; Qwen3 128 experts: within 1-13% for n8). n16 costs twice
 // the MMAs per weight, n8 a second token tile for the experts past 8 rows; spread over many experts
 // the second tiles stay few. With 8 experts (Mixtral) n16 already wins at 8 rows (GEMM2 91 vs 133 us):
-// the slowest expert sets the time. Hence up to 7 rows from 64 experts on.
-constexpr int64_t kDecodeN8MaxRowsManyExperts = 7;
+// the slowest expert sets the time. Hence up to 7 rows from 64 experts on. Since the s17-s18 changes n8 also wins at
+// 8 rows there (bench/results/2026-12-01_s18e_nvidia_h200_tactic_sweep2.md, n8 vs n16: Qwen3-30B GEMM2 52.4 vs
+// 60.1 us, GEMM1 85.3 vs 87.3, Qwen3-235B GEMM1 296.6 vs 304.1, GEMM2 167.9 vs 179.5, DeepSeek-V3 GEMM2 727.2 vs
+// 758.8; DeepSeek-V3 GEMM1 1341.3 vs 1326.5, 1% the other way): up to 8 rows.
+constexpr int64_t kDecodeN8MaxRowsManyExperts = 8;
 constexpr int64_t kManyExperts = 64;
 constexpr int64_t kDecodeN16MaxRows = 14;
 // 128 x 24 and 128 x 32 tiles above (tactic sweeps, H200, bench/results/2026-11-30_s11b_nvidia_h200_n32_sweep.md

@@ -1,5 +1,5 @@
 // Tests of the W4A8 grouped-GEMM tactics (src/tune/tactics.cpp): the heuristic at each threshold
-// (estimated rows per expert = ceil(total_rows / num_experts): 4, or 7 from 64 experts on | 14 | 22 | 24 | 48),
+// (estimated rows per expert = ceil(total_rows / num_experts): 4, or 8 from 64 experts on | 14 | 22 | 24 | 48),
 // the compiled
 // list, name round trips and errors.
 #include <gtest/gtest.h>
@@ -26,7 +26,7 @@ qmoe::GemmProblem problem(int64_t rows, int64_t experts = 256, int64_t n = 4096,
 
 std::string chosen(int64_t rows, int64_t experts = 256) { return qmoe::select_tactic(problem(rows, experts)).name(); }
 
-TEST(Tactics, DecodeN8UpToFourRowsPerExpertOrSevenWithManyExperts) {
+TEST(Tactics, DecodeN8UpToFourRowsPerExpertOrEightWithManyExperts) {
   EXPECT_EQ(chosen(0), "decode_m128_n8_k256");
   EXPECT_EQ(chosen(8), "decode_m128_n8_k256");  // T=1, topk 8: 8 experts x 32 tiles >= 132 SMs
   EXPECT_EQ(chosen(4 * 256), "decode_m128_n8_k256");
@@ -34,6 +34,8 @@ TEST(Tactics, DecodeN8UpToFourRowsPerExpertOrSevenWithManyExperts) {
   EXPECT_EQ(chosen(5 * 256), "decode_m128_n8_k256");  // DeepSeek-V3 T=160: n8 1.34x faster than n16
   EXPECT_EQ(chosen(7 * 256), "decode_m128_n8_k256");
   EXPECT_EQ(chosen(7 * 64, 64), "decode_m128_n8_k256");
+  EXPECT_EQ(chosen(8 * 256), "decode_m128_n8_k256");  // DeepSeek-V3 T=256 (s18e sweep)
+  EXPECT_EQ(chosen(8 * 128, 128), "decode_m128_n8_k256");  // Qwen3 T=128
   EXPECT_EQ(chosen(4 * 63), "decode_m128_n8_k256");
   EXPECT_EQ(chosen(4 * 63 + 1, 63), "decode_m128_n16_k256");  // fewer than 64 experts: 4 rows
   EXPECT_EQ(chosen(4 * 8 + 1, 8), "decode_m128_n16_k256");    // Mixtral: n16 from 5 rows
@@ -54,9 +56,9 @@ TEST(Tactics, HalfHeightDecodeTilesWhenTheGridIsSmallerThanTheGpu) {
 }
 
 TEST(Tactics, DecodeN16Boundaries) {
-  EXPECT_EQ(chosen(7 * 256 + 1), "decode_m128_n16_k256");
-  EXPECT_EQ(chosen(7 * 64 + 1, 64), "decode_m128_n16_k256");
-  EXPECT_EQ(chosen(8 * 256), "decode_m128_n16_k256");
+  EXPECT_EQ(chosen(8 * 256 + 1), "decode_m128_n16_k256");
+  EXPECT_EQ(chosen(8 * 64 + 1, 64), "decode_m128_n16_k256");
+  EXPECT_EQ(chosen(9 * 256), "decode_m128_n16_k256");
   EXPECT_EQ(chosen(14 * 256), "decode_m128_n16_k256");
 }
 
