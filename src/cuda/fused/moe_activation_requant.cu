@@ -25,8 +25,8 @@
 // Rows r >= expert_offsets[E_l] (read on the device) are neither read nor written.
 //
 // Mapping (decode has T*k = 8 rows): rows x column-chunks (fused_moe_common.cuh); at prefill (rows_batched)
-// a CTA takes 2 rows per pass (their h loads issued before the arithmetic of either) and loops over the rows
-// (the grid capped at ~16 CTAs per SM: one row per CTA ran at ~1 TB/s there, H200 s17c); each thread 8
+// the grid is capped at ~16 CTAs per SM and a CTA loops over the rows (one row per CTA without the loop ran at
+// ~1 TB/s there, H200 s17c), 1 row per pass, 2 for the plain bf16 copy (their h loads issued first); each thread 8
 // consecutive features i0..i0+7 (i0 % 8 == 0): their gate and up columns are contiguous in both
 // layouts (an interleaved 64-group holds whole chunks), so h is read with 16-byte loads and A2
 // written with one 8-byte (e4m3) or 16-byte (bf16) store. An NVFP4 block (16) is 2 adjacent
@@ -124,7 +124,8 @@ struct RequantArgs {
 // and a_out 8-byte aligned; else the thread's 8 features one at a time (those < I).
 // kRowsFp8 rows per CTA pass, the vectorized path's h loads of all of them issued before the arithmetic
 // of any (grid: rows_by_chunks_looped, CTAs loop over rows).
-constexpr int kRowsFp8 = 2;  // at prefill (rows_batched; decode and the amax pass: 1)
+// 1 since s18g: with the looping grid one row per pass beat two (Mixtral T = 4096 381 -> 345 us, Qwen3-30B 99.5 -> 95).
+constexpr int kRowsFp8 = 1;  // at prefill (rows_batched; decode and the amax pass: 1)
 
 template <bool kAmaxOnly, bool kVectorized, int ROWS>
 __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const RequantArgs p) {
@@ -263,10 +264,16 @@ __device__ __forceinline__ float w2_alpha_of(const RequantBf16Args& p, int64_t r
   return p.w2_alpha != nullptr ? p.w2_alpha[e] : 1.0f;
 }
 
-// kBf16, kNvfp4, kMxfp8: rows x column-chunks, kRowsBf16 rows per CTA pass (their h loads issued before
-// the arithmetic of any; the grid capped so that CTAs loop over rows: rows_by_chunks_looped). One row
-// per CTA ran at ~1 TB/s at prefill (H200, s17c).
-constexpr int kRowsBf16 = 2;  // at prefill (rows_batched; decode: 1)
+// kBf16, kNvfp4, kMxfp8: rows x column-chunks, rows_per_pass(kMode) rows per CTA pass (their h loads issued
+// before the arithmetic of any; at prefill the grid is capped so that CTAs loop over rows: rows_by_chunks_looped;
+// one row per CTA without the loop ran at ~1 TB/s, H200 s17c). With the loop (H200 s18g, bench/profile_layer.py):
+// the plain bf16 copy is faster with 2 rows per pass (Qwen3-30B T = 4096 87 vs 93 us), the block-quantizing modes,
+// ALU-bound, with 1 (NVFP4: Mixtral 601 -> 495 us, DeepSeek-V3 378 -> 304-314, Qwen3-30B 155 -> 120; MXFP8: s18h).
+constexpr int kRowsBf16Plain = 2;
+constexpr int kRowsMxfp8 = 1;
+constexpr int rows_per_pass(Bf16Requant mode) {
+  return mode == Bf16Requant::kBf16 ? kRowsBf16Plain : mode == Bf16Requant::kMxfp8 ? kRowsMxfp8 : 1;
+}
 
 template <Bf16Requant kMode, int ROWS>
 __global__ void __launch_bounds__(kThreads) activation_requant_bf16_kernel(const RequantBf16Args p) {
@@ -396,26 +403,30 @@ void activation_requant_bf16(const RowRouting& routing, const float* h, int64_t 
                 "I = " + std::to_string(inter), ErrorKind::kRuntime);
   const RequantBf16Args p{routing, h, rows1, inter, act, fc2_input_scale, w2_alpha, a_out, s2};
   const bool batched = rows_batched(routing.max_rows, inter, int64_t{kThreads} * kVec);
-  const dim3 grid = rows_by_chunks_looped(routing.max_rows, inter, int64_t{kThreads} * kVec, batched ? kRowsBf16 : 1);
+  auto grid = [&](Bf16Requant mode) {
+    return rows_by_chunks_looped(routing.max_rows, inter, int64_t{kThreads} * kVec, batched ? rows_per_pass(mode) : 1);
+  };
+  constexpr int kRowsPlain = rows_per_pass(Bf16Requant::kBf16), kRowsNvfp4 = rows_per_pass(Bf16Requant::kNvfp4),
+                kRowsMx = rows_per_pass(Bf16Requant::kMxfp8);
   const dim3 grid_per_token = rows_by_chunks(routing.max_rows, inter, int64_t{kThreads} * kVec);
   switch (requant) {
     case Bf16Requant::kBf16:
-      launch_kernel(batched ? activation_requant_bf16_kernel<Bf16Requant::kBf16, kRowsBf16>
+      launch_kernel(batched ? activation_requant_bf16_kernel<Bf16Requant::kBf16, kRowsPlain>
                             : activation_requant_bf16_kernel<Bf16Requant::kBf16, 1>,
-                    grid, kThreads, 0, stream, p);
+                    grid(requant), kThreads, 0, stream, p);
       break;
     case Bf16Requant::kNvfp4:
-      launch_kernel(batched ? activation_requant_bf16_kernel<Bf16Requant::kNvfp4, kRowsBf16>
+      launch_kernel(batched ? activation_requant_bf16_kernel<Bf16Requant::kNvfp4, kRowsNvfp4>
                             : activation_requant_bf16_kernel<Bf16Requant::kNvfp4, 1>,
-                    grid, kThreads, 0, stream, p);
+                    grid(requant), kThreads, 0, stream, p);
       break;
     case Bf16Requant::kNvfp4PerToken:
       launch_kernel(activation_requant_per_token_kernel, dim3(1, grid_per_token.y), kThreads, 0, stream, p);
       break;
     case Bf16Requant::kMxfp8:
-      launch_kernel(batched ? activation_requant_bf16_kernel<Bf16Requant::kMxfp8, kRowsBf16>
+      launch_kernel(batched ? activation_requant_bf16_kernel<Bf16Requant::kMxfp8, kRowsMx>
                             : activation_requant_bf16_kernel<Bf16Requant::kMxfp8, 1>,
-                    grid, kThreads, 0, stream, p);
+                    grid(requant), kThreads, 0, stream, p);
       break;
   }
   check_cuda(cudaGetLastError(), "launch of fused_moe activation_requant_bf16");
