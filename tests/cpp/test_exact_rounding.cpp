@@ -10,7 +10,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -21,16 +20,8 @@ namespace {
 
 using qmoe::cuda::UniformDivisor;
 
-uint32_t bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-float from_bits(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
+using qmoe::bits_float;
+using qmoe::float_bits;
 
 struct Rng {
   uint64_t s = 0x243F6A8885A308D3ull;
@@ -41,7 +32,7 @@ struct Rng {
 };
 
 // Same bits, NaNs compared as "both NaN" (the payload of x / b is the hardware's choice).
-bool same(float got, float want) { return (std::isnan(got) && std::isnan(want)) || bits(got) == bits(want); }
+bool same(float got, float want) { return (std::isnan(got) && std::isnan(want)) || float_bits(got) == float_bits(want); }
 
 int divide_mismatches(float b, Rng& rng) {
   const UniformDivisor div(b);
@@ -49,12 +40,12 @@ int divide_mismatches(float b, Rng& rng) {
   auto check = [&](float x) {
     if (!same(div.divide(x), x / b)) ++bad;
   };
-  for (int i = 0; i < 20000; ++i) check(from_bits(rng.next()));  // every exponent, NaN and inf included
+  for (int i = 0; i < 20000; ++i) check(bits_float(rng.next()));  // every exponent, NaN and inf included
   for (int i = 0; i < 20000; ++i) {  // quotients in [2^-12, 2^12]: where e4m3 / e2m1 codes are decided
     const float q = std::ldexp(1.0f + (rng.next() >> 9) * 0x1p-23f, static_cast<int>(rng.next() % 25) - 12);
     const float x = q * b;
     // x itself and its neighbours: quotients on both sides of rounding boundaries
-    for (int d = -2; d <= 2; ++d) check(from_bits(bits(x) + d));
+    for (int d = -2; d <= 2; ++d) check(bits_float(float_bits(x) + d));
   }
   for (float x : {0.0f, -0.0f, 1.0f, -1.0f, 6.0f, 448.0f, std::numeric_limits<float>::infinity(),
                   -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
@@ -95,7 +86,7 @@ TEST(ExactRounding, E2m1RoundMatchesTheCodec) {
   const uint64_t stride = exhaustive ? 1 : 4099;  // a prime stride reaches every mantissa pattern class
   int64_t bad = 0;
   for (uint64_t u = 0; u < (uint64_t{1} << 32); u += stride) {
-    const float x = from_bits(static_cast<uint32_t>(u));
+    const float x = bits_float(static_cast<uint32_t>(u));
     if (!same(qmoe::cuda::e2m1_round(x), e2m1_codec(x))) ++bad;
   }
   // Every float within 64 ulps of each midpoint, grid value and the saturation edge, both signs.
@@ -103,13 +94,13 @@ TEST(ExactRounding, E2m1RoundMatchesTheCodec) {
                   8.0f})
     for (int d = -64; d <= 64; ++d)
       for (float s : {1.0f, -1.0f}) {
-        const uint32_t u = bits(c) + d;
+        const uint32_t u = float_bits(c) + d;
         if (c == 0.0f && d < 0) continue;
-        const float x = s * from_bits(u);
+        const float x = s * bits_float(u);
         if (!same(qmoe::cuda::e2m1_round(x), e2m1_codec(x))) ++bad;
       }
   EXPECT_EQ(bad, 0);
-  EXPECT_EQ(bits(qmoe::cuda::e2m1_round(-0.0f)), bits(-0.0f));
+  EXPECT_EQ(float_bits(qmoe::cuda::e2m1_round(-0.0f)), float_bits(-0.0f));
   EXPECT_EQ(qmoe::cuda::e2m1_round(std::numeric_limits<float>::quiet_NaN()), 6.0f);
   EXPECT_EQ(qmoe::cuda::e2m1_round(-std::numeric_limits<float>::infinity()), -6.0f);
 }

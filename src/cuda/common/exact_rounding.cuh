@@ -18,58 +18,35 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
-#if defined(__CUDACC__)
-#define QMOE_ROUNDING_HD __host__ __device__ __forceinline__
-#else
-#define QMOE_ROUNDING_HD inline
-#endif
+#include "qmoe/formats.h"  // QMOE_HD, float_bits, bits_float
 
 namespace qmoe::cuda {
 
 namespace exact_rounding_detail {
-QMOE_ROUNDING_HD uint32_t bits_of(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-#endif
-}
-QMOE_ROUNDING_HD float float_of(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-#endif
-}
 // One rounding each, never contracted into a neighbour (nvcc contracts a * b + c by default).
-QMOE_ROUNDING_HD float mul_rn(float a, float b) {
+QMOE_HD float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);
 #else
   return a * b;
 #endif
 }
-QMOE_ROUNDING_HD float add_rn(float a, float b) {
+QMOE_HD float add_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fadd_rn(a, b);
 #else
   return a + b;
 #endif
 }
-QMOE_ROUNDING_HD float div_rn(float a, float b) {
+QMOE_HD float div_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fdiv_rn(a, b);
 #else
   return a / b;
 #endif
 }
-QMOE_ROUNDING_HD float fma_rn(float a, float b, float c) {
+QMOE_HD float fma_rn(float a, float b, float c) {
 #if defined(__CUDA_ARCH__)
   return __fmaf_rn(a, b, c);
 #else
@@ -80,11 +57,11 @@ QMOE_ROUNDING_HD float fma_rn(float a, float b, float c) {
 
 class UniformDivisor {
  public:
-  QMOE_ROUNDING_HD explicit UniformDivisor(float b) : b_(b), y_(exact_rounding_detail::div_rn(1.0f, b)) {
+  QMOE_HD explicit UniformDivisor(float b) : b_(b), y_(exact_rounding_detail::div_rn(1.0f, b)) {
     const float a = std::fabs(b);
     fast_ = a >= 0x1p-80f && a <= 0x1p80f;
   }
-  QMOE_ROUNDING_HD float divide(float x) const {
+  QMOE_HD float divide(float x) const {
     namespace d = exact_rounding_detail;
     float q = d::mul_rn(x, y_);
     q = d::fma_rn(d::fma_rn(-q, b_, x), y_, q);
@@ -100,15 +77,15 @@ class UniformDivisor {
   bool fast_;
 };
 
-QMOE_ROUNDING_HD float e2m1_round(float x) {
+QMOE_HD float e2m1_round(float x) {
   namespace d = exact_rounding_detail;
-  const uint32_t u = d::bits_of(x);
-  const float a = d::float_of(u & 0x7fffffffu);
+  const uint32_t u = float_bits(x);
+  const float a = bits_float(u & 0x7fffffffu);
   const float c = a < 2.0f ? 0x1p22f : a < 4.0f ? 0x1p23f : 0x1p24f;
   float m = d::add_rn(d::add_rn(a, c), -c);
   m = m < 6.0f ? m : 6.0f;  // also inf
   if ((u & 0x7fffffffu) > 0x7f800000u) return 6.0f;
-  return d::float_of(d::bits_of(m) | (u & 0x80000000u));
+  return bits_float(float_bits(m) | (u & 0x80000000u));
 }
 
 }  // namespace qmoe::cuda
