@@ -1,13 +1,13 @@
 // Register converter from packed signed int4 to e4m3 operands of the FP8 WGMMA.
 //
-// int4x4_to_e4m3x4 (exact values): 4 int4 (nibble i = element i) -> 4 e4m3 bytes (byte i). Exact:
-// every int4 value is an e4m3 value. The caller passes the nibbles' low 3 bits as `index` and the
-// selector of the last step as `select` (sm90_grouped_gemm_w4a8_int4_wgmma.cu: int4x4_to_e4m3).
+// Int4ToE4m3 (exact values): 4 int4 (nibble i = element i) -> 4 e4m3 bytes (byte i). Exact: every
+// int4 value is an e4m3 value.
 //
 // Method: two byte-permute (prmt) lookups per 4 outputs, one in a table of the e4m3 codes of
 // 0..7 and one of -8..-1, both indexed by the nibble's low 3 bits, then a third prmt picks per
 // byte the negative candidate when the nibble's bit 3 (the sign) is set: the sign, moved to bit 2
 // of a selector nibble, turns "byte i of the positive word" into "byte i of the negative word".
+// Six instructions per 4 weights: and (index), and-or + shift (selector), three prmt.
 #pragma once
 
 #include <cstdint>
@@ -27,12 +27,36 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t select
   return d;
 }
 
-__device__ __forceinline__ uint32_t int4x4_to_e4m3x4(uint32_t index, uint32_t select) {
-  // NOTE: prmt reads only the low 16 bits of the selector (4 nibbles); a set bit 3 in a nibble
-  // would mean "replicate the sign", hence `index` holds the low 3 bits of each nibble only.
-  const uint32_t pos = prmt(kE4m3Pos0123, kE4m3Pos4567, index);
-  const uint32_t neg = prmt(kE4m3NegM8toM5, kE4m3NegM4toM1, index);
-  return prmt(pos, neg, select);
-}
+// The tables' low words and the selector's base live in registers, set once per thread (make()): a prmt
+// takes its first table from a register, and given the constant the compiler re-materialized it before
+// every lookup (one move per prmt), and built the selector in three instructions instead of two. The
+// W4A8 WGMMA step fell from 187 to 139 instructions (32-token tile), 1.03-1.09x on the WGMMA tiles
+// (bench/results/2026-12-01_s19b_*).
+struct Int4ToE4m3 {
+  uint32_t pos_lo, neg_lo, select_base;
+
+  __device__ __forceinline__ static Int4ToE4m3 make() {
+    // NOTE: read back through volatile shared memory, so that the compiler cannot see the constants (it
+    // folds a mov of one and re-materializes it again). Every thread writes the same three words.
+    __shared__ uint32_t words[3];
+    volatile uint32_t* w = words;
+    w[0] = kE4m3Pos0123;
+    w[1] = kE4m3NegM8toM5;
+    w[2] = 0x6420u;
+    return Int4ToE4m3{w[0], w[1], w[2]};
+  }
+
+  // Four int4 (nibble i of v's low 16 bits = element i) -> four e4m3 bytes (byte i).
+  // NOTE: prmt reads only the low 16 bits of the selector (4 nibbles); a set bit 3 in a nibble would mean
+  // "replicate the sign", hence the index keeps the low 3 bits of each nibble only. Selector nibble i:
+  // i | 4 sign_i = (8 sign_i + 2 i) >> 1 (select_base = 0x6420); bit 0 of every 8 sign + 2 i is 0, so the
+  // shift carries nothing across nibbles.
+  __device__ __forceinline__ uint32_t operator()(uint32_t v) const {
+    const uint32_t index = v & 0x7777u;
+    const uint32_t pos = prmt(pos_lo, kE4m3Pos4567, index);
+    const uint32_t neg = prmt(neg_lo, kE4m3NegM4toM1, index);
+    return prmt(pos, neg, ((v & 0x8888u) | select_base) >> 1);
+  }
+};
 
 }  // namespace qmoe::cuda

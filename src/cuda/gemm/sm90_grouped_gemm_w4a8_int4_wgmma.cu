@@ -122,11 +122,6 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[TILE_N / 2], uint32_t a0, u
   else wgmma_m64n32k32(d, a0, a1, a2, a3, desc_b, accumulate);
 }
 
-// Four int4 (nibble i of v = K index i) -> four e4m3 bytes (byte i), exact.
-__device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
-  return int4x4_to_e4m3x4(v & 0x7777u, 0x3210u | ((v >> 1) & 0x4444u));
-}
-
 // The A operand of one stage (both kernels): this thread's int4 weights, rows r0 and r0 + 1 of the stage's
 // weight tile at sw (64 bytes a row), as e4m3. K step k (32 K = 16 bytes of a row): the A registers hold
 // K 4 tig..+3 (bytes 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then
@@ -135,16 +130,17 @@ __device__ __forceinline__ uint32_t int4x4_to_e4m3(uint32_t v) {
 // the conversion chain (1-4% faster, bench/results/2026-12-01_s15b_*).
 // The weight boxes land with the 64-byte swizzle (wgmma_tma_maps.cu): K step k of row r sits in 16-byte
 // chunk k ^ ((r >> 1) & 3); rows r0 (even) and r0 + 1 share the order.
-__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int tig, uint32_t (&a)[4][4]) {
+__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int tig, uint32_t (&a)[4][4],
+                                                const Int4ToE4m3& cvt) {
   const int x = (r0 >> 1) & 3;
   const uint8_t* row0 = sw + r0 * (kGroup / 2) + 2 * tig;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const uint8_t* chunk = row0 + 16 * (k ^ x);
-    a[k][0] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk));
-    a[k][1] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk + 64));  // row r0 + 1
-    a[k][2] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk + 8));
-    a[k][3] = int4x4_to_e4m3(*reinterpret_cast<const uint16_t*>(chunk + 72));
+    a[k][0] = cvt(*reinterpret_cast<const uint16_t*>(chunk));
+    a[k][1] = cvt(*reinterpret_cast<const uint16_t*>(chunk + 64));  // row r0 + 1
+    a[k][2] = cvt(*reinterpret_cast<const uint16_t*>(chunk + 8));
+    a[k][3] = cvt(*reinterpret_cast<const uint16_t*>(chunk + 72));
   }
 }
 
@@ -201,8 +197,9 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
 
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
+  const Int4ToE4m3 cvt = Int4ToE4m3::make();
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
-    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, a);
+    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, a, cvt);
   };
   // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
@@ -401,8 +398,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
+  const Int4ToE4m3 cvt = Int4ToE4m3::make();
   auto convert = [&](int it, uint32_t (&out)[4][4]) {
-    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, out);
+    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, out, cvt);
   };
 
   GroupedTile t{0, 0, 0, 0};
