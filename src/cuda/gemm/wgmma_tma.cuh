@@ -15,26 +15,30 @@
 
 namespace qmoe::cuda {
 
-// TMA stages (both kernels, every variant): one thread issues a stage's boxes (activations, two weight
-// half tiles, two scale half rows) instead of every loading thread ~14 cp.async; one mbarrier
-// transaction per stage tells the computing threads it landed. The tensor maps are encoded on the host
-// per call (tma_params). Weights and scales come in 64-row halves because the fused activation
-// epilogue's tiles (kAct) take their gate rows and their up rows from two places (act_tile_rows); the
-// plain tiles' halves are adjacent. Rows past an expert's end come from the next rows of A (not zeros):
+// TMA stages (both kernels, every variant): one thread issues a stage's boxes (activations, the tile's
+// weights, their scales) instead of every loading thread ~14 cp.async; one mbarrier transaction per stage
+// tells the computing threads it landed. The tensor maps are encoded on the host per call (tma_params).
+// The fused activation epilogue's tiles (kAct) take their gate rows and their up rows from two places
+// (act_tile_rows), so their weights and scales come in two 64-row boxes each; the plain tiles' 128 rows are
+// one box each (three boxes a stage, not five: the issuing thread's work is on the two-CTA kernel's critical
+// path, bench/results/2026-12-01_s19h_* and s19i_*). Rows past an expert's end come from the next rows of A (not zeros):
 // their token columns are never stored; weight rows past N likewise (the epilogue checks the row);
 // past the tensors' ends the boxes are zero-filled.
 template <class Base>
 struct WithTmaMaps : Base {
   CUtensorMap act_map;     // A as [R rows, K bytes]: boxes of TILE_N tokens x 128 bytes, 128-byte swizzle
-  CUtensorMap weight_map;  // B as [E * N rows, K / 2 bytes]: boxes of 64 rows x 64 bytes, 64-byte swizzle
-  CUtensorMap scale_map;   // scales [E * K/512 rows, N x int64 (4 bf16)] or [E * K/128, N x bf16]: 64 per box
+  CUtensorMap weight_map;  // B as [E * N rows, K / 2 bytes]: boxes of kWeightBoxRows rows x 64 bytes, 64-byte swizzle
+  CUtensorMap scale_map;   // scales [E * K/512 rows, N x int64 (4 bf16)] or [E * K/128, N x bf16]: kWeightBoxRows a box
 };
 using WgmmaTmaParams = WithTmaMaps<WgmmaGemmParams>;
 using WgmmaActTmaParams = WithTmaMaps<WgmmaActGemmParams>;
 
 namespace wgmma {
 
-constexpr int kHalf = kTileM / 2;  // weight rows per box
+constexpr int kHalf = kTileM / 2;  // weight rows per box of the fused epilogue's tiles
+// Weight rows per weight / scale box: 64 for the fused epilogue's tiles (two places), 128 for the plain ones.
+template <class Base>
+constexpr int kWeightBoxRows = std::is_same<Base, WgmmaActGemmParams>::value ? kHalf : kTileM;
 
 template <class OutT>
 using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActTmaParams, WgmmaTmaParams>;
@@ -68,14 +72,16 @@ __device__ __forceinline__ uint32_t tma_stage_bytes(const WgmmaGemmParams& p) {
 // complete a transaction of bar, which the caller announced (mbar_arrive_expect_tx).
 template <int TILE_N, class P>
 __device__ __forceinline__ void tma_load_stage(const P& p, const TmaTile& t, int g, uint32_t sa, uint64_t* bar) {
+  constexpr int kRows = kWeightBoxRows<std::conditional_t<std::is_same<P, WgmmaActTmaParams>::value,
+                                                          WgmmaActGemmParams, WgmmaGemmParams>>;
   const uint32_t sw = sa + TILE_N * kGroup, ss = sw + kStageW;
   const int scale_bytes = p.scales_packed4 ? 8 : 2;
   const int scale_row = t.scale_row + (p.scales_packed4 ? g / 4 : g);
   tma_load_2d(sa, &p.act_map, g * kGroup, t.act_row, bar);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    tma_load_2d(sw + h * kHalf * (kGroup / 2), &p.weight_map, g * (kGroup / 2), t.weight_row[h], bar);
-    tma_load_2d(ss + h * kHalf * scale_bytes, &p.scale_map, t.scale_col[h], scale_row, bar);
+  for (int h = 0; h < kTileM / kRows; ++h) {
+    tma_load_2d(sw + h * kRows * (kGroup / 2), &p.weight_map, g * (kGroup / 2), t.weight_row[h], bar);
+    tma_load_2d(ss + h * kRows * scale_bytes, &p.scale_map, t.scale_col[h], scale_row, bar);
   }
 }
 

@@ -51,19 +51,19 @@ CUtensorMap tma_matrix_map(const void* base, CUtensorMapDataType type, int elem_
 template <class Base>
 WithTmaMaps<Base> tma_params(const Base& params, int64_t rows, int tile_n) {
   using wgmma::kGroup;
-  using wgmma::kHalf;
+  constexpr int kBoxRows = wgmma::kWeightBoxRows<Base>;
   WithTmaMaps<Base> tp;
   static_cast<Base&>(tp) = params;
   const int64_t experts = params.num_experts;
   tp.act_map = tma_matrix_map(params.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, params.k, tile_n, kGroup,
                               CU_TENSOR_MAP_SWIZZLE_128B);
-  tp.weight_map = tma_matrix_map(params.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * params.n, params.k / 2, kHalf,
+  tp.weight_map = tma_matrix_map(params.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * params.n, params.k / 2, kBoxRows,
                                  kGroup / 2, CU_TENSOR_MAP_SWIZZLE_64B);
   tp.scale_map = params.scales_packed4
                      ? tma_matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_INT64, 8, experts * (params.k / 512),
-                                      params.n, 1, kHalf, CU_TENSOR_MAP_SWIZZLE_NONE)
+                                      params.n, 1, kBoxRows, CU_TENSOR_MAP_SWIZZLE_NONE)
                      : tma_matrix_map(params.b_scales, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
-                                      experts * (params.k / kGroup), params.n, 1, kHalf, CU_TENSOR_MAP_SWIZZLE_NONE);
+                                      experts * (params.k / kGroup), params.n, 1, kBoxRows, CU_TENSOR_MAP_SWIZZLE_NONE);
   return tp;
 }
 
