@@ -2,13 +2,17 @@
 //   - int4x8_to_biased_f16 (src/cuda/common/int4_to_f16.cuh, the decode tiles): every nibble value in
 //     every position becomes the fp16 (q + 8) * 2^-24, times 16 for the odd positions, in the half the
 //     kernel pairs it with; the bias constants are -8 * 2^-24 and -128 * 2^-24.
+//   - Int4ToE4m3 (src/cuda/common/int4_to_e4m3.cuh, the WGMMA tiles): every 16-bit word of four int4 becomes
+//     their four e4m3 codes (qmoe::float_to_e4m3 of each value), through the host model of prmt.
 // The GPU tests check the kernels end to end; these pin the encodings they rely on.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/common/int4_to_e4m3.cuh"
 #include "cuda/common/int4_to_f16.cuh"
+#include "qmoe/formats.h"
 
 namespace {
 
@@ -44,6 +48,26 @@ TEST(Int4OperandCodes, BiasConstants) {
                         static_cast<uint16_t>(qmoe::cuda::kF16MinusEightX16 >> 16)})
     EXPECT_EQ(f16_value(half), -8 * 16 * std::ldexp(1.0, -24));
   EXPECT_EQ(qmoe::cuda::kF16BiasedUnit, std::ldexp(1.0f, 24));
+}
+
+TEST(Int4OperandCodes, E4m3LookupEveryWord) {
+  const qmoe::cuda::Int4ToE4m3 cvt = qmoe::cuda::Int4ToE4m3::constants();
+  int wrong = 0;
+  for (uint32_t v = 0; v <= 0xFFFFu; ++v) {
+    const uint32_t codes = cvt(v);
+    for (int i = 0; i < 4; ++i) {
+      const int nibble = static_cast<int>((v >> (4 * i)) & 0xFu);
+      const int q = nibble >= 8 ? nibble - 16 : nibble;
+      const uint32_t expected = qmoe::float_to_e4m3(static_cast<float>(q));
+      if (((codes >> (8 * i)) & 0xFFu) != expected && ++wrong <= 5) {
+        ADD_FAILURE() << "word 0x" << std::hex << v << " element " << i << ": got 0x" << ((codes >> (8 * i)) & 0xFFu)
+                      << ", expected 0x" << expected;
+      }
+    }
+  }
+  EXPECT_EQ(wrong, 0);
+  // Bits above the low 16 are ignored (the kernels load 16-bit pieces; a wider word must not leak in).
+  EXPECT_EQ(cvt(0xABCD1234u), cvt(0x1234u));
 }
 
 }  // namespace

@@ -12,6 +12,12 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define QMOE_INT4_E4M3_HD __host__ __device__ __forceinline__
+#else
+#define QMOE_INT4_E4M3_HD inline  // the lookup is also checked on the host (tests/cpp/test_int4_operand_codes.cpp)
+#endif
+
 namespace qmoe::cuda {
 
 // e4m3 codes: 0 0x00, 1 0x38, 2 0x40, 3 0x44, 4 0x48, 5 0x4A, 6 0x4C, 7 0x4E;
@@ -21,10 +27,24 @@ constexpr uint32_t kE4m3Pos4567 = 0x4E4C4A48u;
 constexpr uint32_t kE4m3NegM8toM5 = 0xCACCCED0u;  // bytes: -8, -7, -6, -5
 constexpr uint32_t kE4m3NegM4toM1 = 0xB8C0C4C8u;  // bytes: -4, -3, -2, -1
 
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+// Byte permute (PTX prmt.b32, default mode): byte i of the result is byte (nibble i of selector) & 7 of
+// {b, a} (a = bytes 0..3), replicated from its sign bit when bit 3 of the nibble is set.
+QMOE_INT4_E4M3_HD uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+#if defined(__CUDA_ARCH__)
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
   return d;
+#else
+  const uint64_t bytes = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t nibble = (selector >> (4 * i)) & 0xFu;
+    uint32_t byte = static_cast<uint32_t>(bytes >> (8 * (nibble & 7u))) & 0xFFu;
+    if (nibble & 8u) byte = (byte & 0x80u) ? 0xFFu : 0u;
+    d |= byte << (8 * i);
+  }
+  return d;
+#endif
 }
 
 // The tables' low words and the selector's base live in registers, set once per thread (make()): a prmt
@@ -35,6 +55,9 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t select
 struct Int4ToE4m3 {
   uint32_t pos_lo, neg_lo, select_base;
 
+  // The constants themselves (host tests; kernels use make()).
+  static constexpr Int4ToE4m3 constants() { return Int4ToE4m3{kE4m3Pos0123, kE4m3NegM8toM5, 0x6420u}; }
+#if defined(__CUDACC__)
   __device__ __forceinline__ static Int4ToE4m3 make() {
     // NOTE: read back through volatile shared memory, so that the compiler cannot see the constants (it
     // folds a mov of one and re-materializes it again). Every thread writes the same three words.
@@ -45,13 +68,14 @@ struct Int4ToE4m3 {
     w[2] = 0x6420u;
     return Int4ToE4m3{w[0], w[1], w[2]};
   }
+#endif
 
   // Four int4 (nibble i of v's low 16 bits = element i) -> four e4m3 bytes (byte i).
   // NOTE: prmt reads only the low 16 bits of the selector (4 nibbles); a set bit 3 in a nibble would mean
   // "replicate the sign", hence the index keeps the low 3 bits of each nibble only. Selector nibble i:
   // i | 4 sign_i = (8 sign_i + 2 i) >> 1 (select_base = 0x6420); bit 0 of every 8 sign + 2 i is 0, so the
   // shift carries nothing across nibbles.
-  __device__ __forceinline__ uint32_t operator()(uint32_t v) const {
+  QMOE_INT4_E4M3_HD uint32_t operator()(uint32_t v) const {
     const uint32_t index = v & 0x7777u;
     const uint32_t pos = prmt(pos_lo, kE4m3Pos4567, index);
     const uint32_t neg = prmt(neg_lo, kE4m3NegM4toM1, index);
