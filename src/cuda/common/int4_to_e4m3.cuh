@@ -63,9 +63,10 @@ struct Int4ToE4m3 {
     // folds a mov of one and re-materializes it again). Every thread writes the same three words.
     __shared__ uint32_t words[3];
     volatile uint32_t* w = words;
-    w[0] = kE4m3Pos0123;
-    w[1] = kE4m3NegM8toM5;
-    w[2] = 0x6420u;
+    constexpr Int4ToE4m3 c = constants();
+    w[0] = c.pos_lo;
+    w[1] = c.neg_lo;
+    w[2] = c.select_base;
     return Int4ToE4m3{w[0], w[1], w[2]};
   }
 #endif

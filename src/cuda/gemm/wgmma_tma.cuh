@@ -21,8 +21,8 @@ namespace qmoe::cuda {
 // The fused activation epilogue's tiles (kAct) take their gate rows and their up rows from two places
 // (act_tile_rows), so their weights and scales come in two 64-row boxes each; the plain tiles' 128 rows are
 // one box each (three boxes a stage, not five: the issuing thread's work is on the two-CTA kernel's critical
-// path; 1.03-1.05x on the 32- and 64-token tiles, bench/results/2026-12-01_s19i_*). Rows past an expert's end come from the next rows of A (not zeros):
-// their token columns are never stored; weight rows past N likewise (the epilogue checks the row);
+// path; 1.03-1.05x on the 32- and 64-token tiles, bench/results/2026-12-01_s19i_*). Rows past an expert's
+// end come from the next rows of A (not zeros): their token columns are never stored; weight rows past N likewise (the epilogue checks the row);
 // past the tensors' ends the boxes are zero-filled.
 template <class Base>
 struct WithTmaMaps : Base {
