@@ -22,8 +22,8 @@ namespace qmoe::cuda {
 // (act_tile_rows), so their weights and scales come in two 64-row boxes each; the plain tiles' 128 rows are
 // one box each (three boxes a stage, not five: the issuing thread's work is on the two-CTA kernel's critical
 // path; 1.03-1.05x on the 32- and 64-token tiles, bench/results/2026-12-01_s19i_*). Rows past an expert's
-// end come from the next rows of A (not zeros): their token columns are never stored; weight rows past N likewise (the epilogue checks the row);
-// past the tensors' ends the boxes are zero-filled.
+// end come from the next rows of A (not zeros): their token columns are never stored; weight rows past N
+// likewise (the epilogue checks the row); past the tensors' ends the boxes are zero-filled.
 template <class Base>
 struct WithTmaMaps : Base {
   CUtensorMap act_map;     // A as [R rows, K bytes]: boxes of TILE_N tokens x 128 bytes, 128-byte swizzle
@@ -37,8 +37,9 @@ namespace wgmma {
 
 constexpr int kHalf = kTileM / 2;  // weight rows per box of the fused epilogue's tiles
 // Weight rows per weight / scale box: 64 for the fused epilogue's tiles (two places), 128 for the plain ones.
-template <class Base>
-constexpr int kWeightBoxRows = std::is_same<Base, WgmmaActGemmParams>::value ? kHalf : kTileM;
+// P: the parameters, with or without their tensor maps.
+template <class P>
+constexpr int kWeightBoxRows = std::is_base_of<WgmmaActGemmParams, P>::value ? kHalf : kTileM;
 
 template <class OutT>
 using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActTmaParams, WgmmaTmaParams>;
@@ -72,8 +73,7 @@ __device__ __forceinline__ uint32_t tma_stage_bytes(const WgmmaGemmParams& p) {
 // complete a transaction of bar, which the caller announced (mbar_arrive_expect_tx).
 template <int TILE_N, class P>
 __device__ __forceinline__ void tma_load_stage(const P& p, const TmaTile& t, int g, uint32_t sa, uint64_t* bar) {
-  constexpr int kRows = kWeightBoxRows<std::conditional_t<std::is_same<P, WgmmaActTmaParams>::value,
-                                                          WgmmaActGemmParams, WgmmaGemmParams>>;
+  constexpr int kRows = kWeightBoxRows<P>;
   const uint32_t sw = sa + TILE_N * kGroup, ss = sw + kStageW;
   const int scale_bytes = p.scales_packed4 ? 8 : 2;
   const int scale_row = t.scale_row + (p.scales_packed4 ? g / 4 : g);
