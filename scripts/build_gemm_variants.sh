@@ -47,15 +47,20 @@ else
   PREFIX=chk_
 fi
 CUTLASS_DIR=${CUTLASS_DIR:-$PWD/.dev/cutlass}
-NVCC_FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a"
+NVCC_FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr"
 NVCC="nvcc $NVCC_FLAGS -Iinclude -Isrc -I$CUTLASS_DIR/include"
 HOST_CXX=$([[ -x /usr/bin/g++ ]] && echo /usr/bin/g++ || command -v g++)
 
-if [[ ! -f build/ab_lib/build.ninja ]]; then
-  cmake -S . -B build/ab_lib -G Ninja -DQMOE_BUILD_TESTS=OFF -DQMOE_BUILD_PYTHON=OFF -DQMOE_WITH_CUDA_KERNELS=ON \
-    -DCUTLASS_DIR="$CUTLASS_DIR" -DCMAKE_BUILD_TYPE=Release > /dev/null
+# QMOE_AB_LIB: an already built libqmoe.a of this tree (e.g. build/py/libqmoe.a from scripts/setup.sh), which
+# saves configuring and building build/ab_lib.
+LIB=${QMOE_AB_LIB:-build/ab_lib/libqmoe.a}
+if [[ -z "${QMOE_AB_LIB:-}" ]]; then
+  if [[ ! -f build/ab_lib/build.ninja ]]; then
+    cmake -S . -B build/ab_lib -G Ninja -DQMOE_BUILD_TESTS=OFF -DQMOE_BUILD_PYTHON=OFF -DQMOE_WITH_CUDA_KERNELS=ON \
+      -DCUTLASS_DIR="$CUTLASS_DIR" -DCMAKE_BUILD_TYPE=Release > /dev/null
+  fi
+  cmake --build build/ab_lib --target qmoe -j"$(nproc)" > /dev/null
 fi
-cmake --build build/ab_lib --target qmoe -j"$(nproc)" > /dev/null
 rm -rf "$OUTDIR" && mkdir -p "$OUTDIR"
 tmp=$(mktemp -d)
 while IFS= read -r line; do
@@ -91,7 +96,7 @@ while IFS= read -r line; do
       $NVCC -I"$(dirname "$SRC")" -Xptxas -v -c -o "$tmp/$name.o" "$tmp/$name.cu" 2> "$log" || exit 1
       objs=("$tmp/$name.o")
     fi
-    $NVCC -ccbin "$HOST_CXX" -o "$OUTDIR/$PREFIX$name" "$CHECK" "${objs[@]}" build/ab_lib/libqmoe.a -lpthread -ldl \
+    $NVCC -ccbin "$HOST_CXX" -o "$OUTDIR/$PREFIX$name" "$CHECK" "${objs[@]}" "$LIB" -lpthread -ldl \
       || exit 1
     spills=$(grep -cE "[1-9][0-9]* bytes spill stores" "$log" || true)
     echo "built $OUTDIR/$PREFIX$name (kernels with spills: $spills)"
