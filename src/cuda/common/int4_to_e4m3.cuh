@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "cuda/common/prmt.cuh"
+
 #if defined(__CUDACC__)
 #define QMOE_INT4_E4M3_HD __host__ __device__ __forceinline__
 #else
@@ -26,26 +28,6 @@ constexpr uint32_t kE4m3Pos0123 = 0x44403800u;
 constexpr uint32_t kE4m3Pos4567 = 0x4E4C4A48u;
 constexpr uint32_t kE4m3NegM8toM5 = 0xCACCCED0u;  // bytes: -8, -7, -6, -5
 constexpr uint32_t kE4m3NegM4toM1 = 0xB8C0C4C8u;  // bytes: -4, -3, -2, -1
-
-// Byte permute (PTX prmt.b32, default mode): byte i of the result is byte (nibble i of selector) & 7 of
-// {b, a} (a = bytes 0..3), replicated from its sign bit when bit 3 of the nibble is set.
-QMOE_INT4_E4M3_HD uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
-#if defined(__CUDA_ARCH__)
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
-  return d;
-#else
-  const uint64_t bytes = (static_cast<uint64_t>(b) << 32) | a;
-  uint32_t d = 0;
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t nibble = (selector >> (4 * i)) & 0xFu;
-    uint32_t byte = static_cast<uint32_t>(bytes >> (8 * (nibble & 7u))) & 0xFFu;
-    if (nibble & 8u) byte = (byte & 0x80u) ? 0xFFu : 0u;
-    d |= byte << (8 * i);
-  }
-  return d;
-#endif
-}
 
 // The tables' low words and the selector's base live in registers, set once per thread (make()): a prmt
 // takes its first table from a register, and given the constant the compiler re-materialized it before
