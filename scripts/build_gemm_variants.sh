@@ -36,7 +36,7 @@ eval "$(grep -E '^# ab-build:' "$LIST" | sed 's/^# ab-build://' | sed 's/\([A-Z_
 GEMM=${QMOE_AB_GEMM:-w4a8}
 OUTDIR=.dev/ab/$(basename "$LIST" .txt)
 if [[ "$GEMM" == bf16 ]]; then
-  SRC=src/cuda/gemm/sm90_grouped_gemm_bf16_w4_launch.cuh
+  SRC=${QMOE_AB_SRC:-src/cuda/gemm/sm90_grouped_gemm_bf16_w4_launch.cuh}  # or the kernel header (..._bf16_w4.cuh)
   UNITS=(src/cuda/gemm/sm90_grouped_gemm_bf16_w4_int4.cu src/cuda/gemm/sm90_grouped_gemm_bf16_w4_nvfp4.cu
          src/cuda/gemm/sm90_grouped_gemm_bf16_w4_mxfp4.cu)
   CHECK=tests/gpu/bf16_w4_gemm_check.cu

@@ -220,6 +220,14 @@ void swizzle_scales_128x4(const TensorRef& sf, TensorRef out, cudaStream_t strea
 void unswizzle_scales_128x4(const TensorRef& swizzled, TensorRef sf,  // sf gives rows/cols
                             cudaStream_t stream = nullptr);
 
+// qmoe's packed FP4 weight words (DESIGN.md 3.4): w fp4x2 (uint8 or float4_e2m1x2) [..., K/2], K % 8 == 0 ->
+// out (same dtype and shape) with the bits of every little-endian 32-bit word of each row permuted so that
+// the bf16 x 4-bit GEMMs decode a K pair in fewer instructions (src/core/fp4_weight_pack.h; the decode-tile
+// GEMMs 1.1x faster at T <= 256). The fused MoE's FP4 weight modes take packed weights with
+// FusedMoeParams::fp4_weights_packed. A one-time weight preparation; unpack is its inverse.
+void pack_fp4_weights(const TensorRef& w, TensorRef out, cudaStream_t stream = nullptr);
+void unpack_fp4_weights(const TensorRef& packed, TensorRef out, cudaStream_t stream = nullptr);
+
 // Gate/up conventions for W13 [E, 2I, C] or [2I, C] (any dtype, same dtype out, C = packed columns):
 //   SGLang     : rows [gate(0..I); up(0..I)]
 //   FlashInfer : [up; gate] interleaved in 64-row groups: [up 0:64, gate 0:64, up 64:128, ...]

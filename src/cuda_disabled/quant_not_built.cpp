@@ -40,6 +40,9 @@ void unswizzle_scales_128x4(const TensorRef&, TensorRef, int64_t, int64_t, int64
 void interleave_int4_scales(const TensorRef&, TensorRef, bool to_stored, cudaStream_t) {
   quant_not_built(to_stored ? "interleave_int4_scales" : "deinterleave_int4_scales");
 }
+void convert_fp4_words(const TensorRef&, TensorRef, bool pack, cudaStream_t) {
+  quant_not_built(pack ? "pack_fp4_weights" : "unpack_fp4_weights");
+}
 void reorder_gate_up(const TensorRef&, TensorRef, bool to_flashinfer, cudaStream_t) {
   quant_not_built(to_flashinfer ? "gate_up_sglang_to_flashinfer" : "gate_up_flashinfer_to_sglang");
 }

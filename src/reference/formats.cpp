@@ -10,6 +10,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/fp4_weight_pack.h"
 #include "cuda/quant/quant_launch.h"
 #include "qmoe/formats.h"
 
@@ -616,6 +617,41 @@ void gate_up_sglang_to_flashinfer(const TensorRef& w, TensorRef out, cudaStream_
 }
 void gate_up_flashinfer_to_sglang(const TensorRef& w, TensorRef out, cudaStream_t stream) {
   reorder_gate_up(w, out, false, stream);
+}
+
+// ---- qmoe's packed FP4 weight words ---------------------------------------------------------------
+
+namespace {
+void convert_fp4_words(const TensorRef& w, TensorRef out, bool pack, cudaStream_t stream) {
+  const std::string in = pack ? "w" : "packed";
+  check_basic(w, in, 1);
+  check_dtype_in(w, in, {DType::kUInt8, DType::kFloat4E2M1x2});
+  check_arg(w.size(-1) % 4 == 0, in, "rows of whole 32-bit words (last axis K/2 bytes with K % 8 == 0)",
+            "shape " + shape_string(w));
+  check_basic(out, "out", 1);
+  check_dtype(out, "out", w.dtype);
+  check_arg(out.ndim == w.ndim, "out", "shape " + shape_string(w), "shape " + shape_string(out));
+  for (int i = 0; i < w.ndim; ++i)
+    check_arg(out.shape[i] == w.shape[i], "out", "shape " + shape_string(w), "shape " + shape_string(out));
+  check_same_device(w, in, out, "out");
+  check_no_alias(out, "out", w, in);
+  if (w.is_cuda()) {
+    cuda::convert_fp4_words(w, out, pack, stream);
+    return;
+  }
+  const int64_t words = w.numel() / 4;
+  for (int64_t i = 0; i < words; ++i) {
+    uint32_t v;
+    std::memcpy(&v, cbytes(w) + 4 * i, 4);
+    v = pack ? fp4pack::pack_word(v) : fp4pack::unpack_word(v);
+    std::memcpy(bytes(out) + 4 * i, &v, 4);
+  }
+}
+}  // namespace
+
+void pack_fp4_weights(const TensorRef& w, TensorRef out, cudaStream_t stream) { convert_fp4_words(w, out, true, stream); }
+void unpack_fp4_weights(const TensorRef& packed, TensorRef out, cudaStream_t stream) {
+  convert_fp4_words(packed, out, false, stream);
 }
 
 // ---- elementwise codecs -------------------------------------------------------------------------

@@ -29,6 +29,7 @@
 #include "bench_env.h"
 #include "cuda/gemm/sm90_grouped_gemm_bf16_w4.h"
 #include "qmoe/error.h"
+#include "core/fp4_weight_pack.h"
 #include "qmoe/formats.h"
 #include "qmoe/tactics.h"
 
@@ -53,8 +54,21 @@ T* upload(const std::vector<T>& v) {
   return d;
 }
 
-const char* format_name(W4Format f) {
+const char* format_name(W4Format f, bool packed = false) {
+  if (packed) return f == W4Format::kNvfp4 ? "nvfp4p" : "mxfp4p";  // FP4 weights in qmoe's packed word order
   return f == W4Format::kInt4G128 ? "int4" : f == W4Format::kNvfp4 ? "nvfp4" : "mxfp4";
+}
+
+// The same weights with every 32-bit word in qmoe's packed order (core/fp4_weight_pack.h).
+std::vector<uint8_t> packed_words(const std::vector<uint8_t>& b) {
+  std::vector<uint8_t> out(b.size());
+  for (size_t i = 0; i + 4 <= b.size(); i += 4) {
+    uint32_t w;
+    std::memcpy(&w, &b[i], 4);
+    w = qmoe::fp4pack::pack_word(w);
+    std::memcpy(&out[i], &w, 4);
+  }
+  return out;
 }
 
 int64_t swizzled_offset(int64_t e, int64_t r, int64_t c, int64_t mt, int64_t kt) {
@@ -66,6 +80,7 @@ struct Case {
   int64_t n, k;
   std::vector<int> rows;  // per expert
   bool fp32_out;
+  bool packed = false;  // FP4: B in packed word order (the reference reads the plain bytes)
 };
 
 int failures = 0;
@@ -164,7 +179,7 @@ void run_case(const Case& c, const qmoe::Tactic& tactic, uint32_t seed) {
   CHECK_CUDA(cudaMalloc(&d, out_bytes));
   CHECK_CUDA(cudaMemset(d, 0xFF, out_bytes));  // NaN in both output types
   uint16_t* da = upload(a);
-  uint8_t* db = upload(b);
+  uint8_t* db = upload(c.packed ? packed_words(b) : b);
   uint8_t* ds = upload(scales);
   float* drs = upload(row_scales);
   int32_t* doff = upload(offsets);
@@ -174,6 +189,7 @@ void run_case(const Case& c, const qmoe::Tactic& tactic, uint32_t seed) {
   args.b = db;
   args.b_scales = ds;
   args.format = c.format;
+  args.b_packed = c.packed;
   args.row_scales = drs;
   args.d = d;
   args.d_fp32 = c.fp32_out;
@@ -216,7 +232,7 @@ void run_case(const Case& c, const qmoe::Tactic& tactic, uint32_t seed) {
   const bool ok = error.empty() && nan_in == 0 && written_after == 0 && (total == 0 || rel <= tol);
   failures += ok ? 0 : 1;
   std::printf("%s %-6s N%-5lld K%-5lld E%-4lld rows%-6lld %s %-22s rel_rms %.2e nan %lld written_after %lld %s\n",
-              ok ? "ok  " : "FAIL", format_name(c.format), (long long)N, (long long)K, (long long)E, (long long)total,
+              ok ? "ok  " : "FAIL", format_name(c.format, c.packed), (long long)N, (long long)K, (long long)E, (long long)total,
               c.fp32_out ? "f32 " : "bf16", tactic.name().c_str(), rel, (long long)nan_in, (long long)written_after,
               error.c_str());
   for (void* p : std::initializer_list<void*>{d, da, db, ds, drs, doff, dsz}) CHECK_CUDA(cudaFree(p));
@@ -279,7 +295,8 @@ __global__ void fill_random(uint8_t* p, int64_t n, uint32_t seed, uint8_t lo, ui
 
 int64_t bench_max_t = 4096;  // --bench [max T]
 
-void bench(W4Format format, const std::string& name, const BenchShape& shape, const std::vector<int>& tokens) {
+void bench(W4Format format, bool packed, const std::string& name, const BenchShape& shape,
+           const std::vector<int>& tokens) {
   const int64_t E = shape.e, topk = shape.topk, N = shape.n, K = shape.k;
   const bool int4 = format == W4Format::kInt4G128;
   const int64_t block = format == W4Format::kNvfp4 ? 16 : 32;
@@ -334,6 +351,7 @@ void bench(W4Format format, const std::string& name, const BenchShape& shape, co
     for (const qmoe::Tactic& tac : qmoe::valid_tactics(prob)) {
       qmoe::cuda::Bf16W4GemmArgs args;
       args.a = da, args.b = db, args.b_scales = ds, args.format = format, args.row_scales = drs, args.d = dd;
+      args.b_packed = packed;  // (random bytes: timing only)
       args.d_fp32 = false, args.num_experts = int(E), args.n = int(N), args.k = int(K), args.max_rows = T * topk;
       std::vector<float> times;
       cudaEvent_t e0, e1;
@@ -353,7 +371,7 @@ void bench(W4Format format, const std::string& name, const BenchShape& shape, co
       std::sort(times.begin(), times.end());
       const double us = times[times.size() / 2];
       const double flops = 2.0 * T * topk * N * K;
-      std::printf("| %-6s | %-5s | %5lld | %-22s%s | %9.1f | %6.2f | %7.1f |\n", format_name(format), name.c_str(), (long long)T,
+      std::printf("| %-6s | %-5s | %5lld | %-22s%s | %9.1f | %6.2f | %7.1f |\n", format_name(format, packed), name.c_str(), (long long)T,
                   tac.name().c_str(), tac == chosen ? "*" : " ", us, bytes / us * 1e-6, flops / us * 1e-6);
     }
   }
@@ -376,6 +394,12 @@ int main(int argc, char** argv) {
     cases.push_back({f, 128, 256, std::vector<int>(1024, 0), true});
     cases.back().rows[1023] = 3;
     cases.back().rows[0] = 2;
+    if (fp4)  // packed weights: the ragged, the K = 2880 and the bf16-out cases again
+      for (int i : {0, 1, 3}) {
+        Case p = cases[cases.size() - 5 + i];
+        p.packed = true;
+        cases.push_back(p);
+      }
   }
   qmoe::GemmProblem any;
   any.n = 8, any.k = 128, any.num_experts = 1, any.bf16_activations = true;
@@ -392,7 +416,10 @@ int main(int argc, char** argv) {
       if (bench_only && f == W4Format::kMxfp4 && std::getenv("QMOE_BENCH_MX") == nullptr) continue;
       const std::vector<BenchShape> shapes = bench_shapes({{256, 8, 4096, 7168}, {256, 8, 7168, 2048}});
       const std::vector<int> tokens = bench_tokens({1, 8, 64, 512, 4096});
-      for (size_t i = 0; i < shapes.size(); ++i) bench(f, "gemm" + std::to_string(i + 1), shapes[i], tokens);
+      for (bool packed : {false, true}) {
+        if (packed && f == W4Format::kInt4G128) continue;
+        for (size_t i = 0; i < shapes.size(); ++i) bench(f, packed, "gemm" + std::to_string(i + 1), shapes[i], tokens);
+      }
     }
   }
   return failures == 0 ? 0 : 1;

@@ -32,6 +32,8 @@ void bf16_w4_moe_mm(const Bf16W4GemmArgs& args, const Tactic& tactic, cudaStream
   if (args.scatter.out != nullptr)  // a pipeline bug, not a user error: GEMM1 (fp32) never scatters
     QMOE_CHECK_ARG(!args.d_fp32 && reinterpret_cast<uintptr_t>(args.scatter.out) % 4 == 0 && args.n % 2 == 0,
                    "scatter", "a 4-byte aligned output of a bf16 GEMM", "an fp32 GEMM or a misaligned output");
+  QMOE_CHECK_ARG(!args.b_packed || !int4, "b_packed", "FP4 weights (int4-g128 has no packed word order)",
+                 "int4-g128 weights");
   if (args.max_rows == 0) return;
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
@@ -51,6 +53,7 @@ void bf16_w4_moe_mm(const Bf16W4GemmArgs& args, const Tactic& tactic, cudaStream
   const int block = args.format == W4Format::kNvfp4 ? 16 : 32;
   p.scale_blocks = int4 ? 0 : args.k / block;
   p.scale_col_chunks = int4 ? 0 : (p.scale_blocks + 3) / 4;
+  p.fp4_packed = args.b_packed ? 1 : 0;
   p.scatter = args.scatter;
   switch (args.format) {
     case W4Format::kInt4G128:

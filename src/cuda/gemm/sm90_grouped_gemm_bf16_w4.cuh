@@ -42,6 +42,7 @@
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"  // cp.async helpers, store_fragments, swizzle_b
 #include "cuda/common/pdl.cuh"
 #include "cuda/common/prmt.cuh"
+#include "core/fp4_weight_pack.h"
 
 namespace qmoe::cuda {
 
@@ -58,6 +59,7 @@ struct Bf16W4Params {
   int scales_packed4;     // int4: SGLang's [E, K/512, 4N] layout
   int scale_col_chunks;   // FP4: Kt = round_up(K / block, 4) / 4 (512-byte chunks per 128-row tile)
   int scale_blocks;       // FP4: K / block (blocks past it read as scale 0)
+  int fp4_packed;         // FP4: B words in qmoe's packed order (core/fp4_weight_pack.h)
   RowScatterAdd scatter;  // out set: the fused finalize instead of d (bf16 kernels only)
 };
 
@@ -99,6 +101,19 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t w, int i, uint32_t scal
     } else {
       return bits(__hmul2(__hmul2(bf2(e), bf2(0x7E807E80u)), bf2(scale2)));  // * 2^126, * 2^(s-127)
     }
+  }
+}
+
+// Packed FP4 word (core/fp4_weight_pack.h): byte m (K 2m, 2m + 1) as bf16x2, scaled as decode_pair.
+template <W4Format F>
+__device__ __forceinline__ uint32_t decode_packed_byte(uint32_t v, int m, uint32_t scale2) {
+  static_assert(F != W4Format::kInt4G128, "packed words are FP4 only");
+  const uint32_t e = m < 3 ? __funnelshift_r(v, v, 3 * m) & fp4pack::kDecodeMask
+                           : ((v & fp4pack::kByte3Mask) * fp4pack::kByte3Mul) & fp4pack::kDecodeMask;
+  if constexpr (F == W4Format::kNvfp4) {
+    return bits(__hmul2(bf2(e), bf2(scale2)));
+  } else {
+    return bits(__hmul2(__hmul2(bf2(e), bf2(0x7E807E80u)), bf2(scale2)));
   }
 }
 
@@ -410,7 +425,10 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       }
       float(*target)[NF][4] = kInt4 ? part : acc;  // int4: a fresh chain per group; FP4: straight into acc
 
-      auto mma_group = [&](auto fast_tag) {
+      // Plain words pair K (i, i + 4) (one mask each, activations paired by a byte permute); packed words pair
+      // K (2m, 2m + 1), the activations' own bf16 pairs.
+      auto mma_group = [&](auto fast_tag, auto packed_tag) {
+        constexpr bool kPacked = decltype(packed_tag)::value;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {  // weight word j = activation chunk j of this thread
           uint4 x[NF];
@@ -424,10 +442,15 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
             uint32_t b0[NF], b1[NF];
 #pragma unroll
             for (int nf = 0; nf < NF; ++nf) {
-              const uint32_t lo = half == 0 ? x[nf].x : x[nf].y;  // K 2 half, 2 half + 1
-              const uint32_t hi = half == 0 ? x[nf].z : x[nf].w;  // K 2 half + 4, 2 half + 5
-              b0[nf] = prmt(lo, hi, 0x5410);
-              b1[nf] = prmt(lo, hi, 0x7632);
+              if constexpr (kPacked) {  // K (4 half, + 1), (4 half + 2, + 3)
+                b0[nf] = half == 0 ? x[nf].x : x[nf].z;
+                b1[nf] = half == 0 ? x[nf].y : x[nf].w;
+              } else {
+                const uint32_t lo = half == 0 ? x[nf].x : x[nf].y;  // K 2 half, 2 half + 1
+                const uint32_t hi = half == 0 ? x[nf].z : x[nf].w;  // K 2 half + 4, 2 half + 5
+                b0[nf] = prmt(lo, hi, 0x5410);
+                b1[nf] = prmt(lo, hi, 0x7632);
+              }
             }
 #pragma unroll
             for (int mf = 0; mf < MF; ++mf) {
@@ -439,20 +462,36 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
                 s1 = sc[mf][1][j / 2];
               }
               constexpr W4Format kDecode = decltype(fast_tag)::value ? W4Format::kNvfp4 : F;  // MX fast: one multiply
-              const uint32_t a0 = decode_pair<kDecode>(w0, 2 * half, s0);
-              const uint32_t a2 = decode_pair<kDecode>(w0, 2 * half + 1, s0);
-              const uint32_t a1 = decode_pair<kDecode>(w1, 2 * half, s1);
-              const uint32_t a3 = decode_pair<kDecode>(w1, 2 * half + 1, s1);
+              uint32_t a0, a1, a2, a3;
+              if constexpr (kPacked) {
+                a0 = decode_packed_byte<kDecode>(w0, 2 * half, s0);
+                a2 = decode_packed_byte<kDecode>(w0, 2 * half + 1, s0);
+                a1 = decode_packed_byte<kDecode>(w1, 2 * half, s1);
+                a3 = decode_packed_byte<kDecode>(w1, 2 * half + 1, s1);
+              } else {
+                a0 = decode_pair<kDecode>(w0, 2 * half, s0);
+                a2 = decode_pair<kDecode>(w0, 2 * half + 1, s0);
+                a1 = decode_pair<kDecode>(w1, 2 * half, s1);
+                a3 = decode_pair<kDecode>(w1, 2 * half + 1, s1);
+              }
 #pragma unroll
               for (int nf = 0; nf < NF; ++nf) mma_bf16(target[mf][nf], a0, a1, a2, a3, b0[nf], b1[nf]);
             }
           }
         }
       };
-      if (mx_fast) {
-        mma_group(std::true_type{});
-      } else {
-        mma_group(std::false_type{});
+      if (kInt4 || !p.fp4_packed) {
+        if (mx_fast) {
+          mma_group(std::true_type{}, std::false_type{});
+        } else {
+          mma_group(std::false_type{}, std::false_type{});
+        }
+      } else if constexpr (!kInt4) {
+        if (mx_fast) {
+          mma_group(std::true_type{}, std::true_type{});
+        } else {
+          mma_group(std::false_type{}, std::true_type{});
+        }
       }
       if constexpr (kInt4) {
         // Group promotion: acc += S[row, g] * part (fp32, g increasing).

@@ -10,7 +10,8 @@
 //   MXFP4     : D[r, n] = out( s[r] * sum_k A[r, k] * (e2m1[e, n, k] * ue8m0 sf[e, n, k / 32]) )
 //
 // A bf16 [R, K] row-major, rows in expert order (the caller dequantizes NVFP4 / MXFP8
-// activations to bf16 first: exact). B [E, N, K/2] packed (even k in the low nibble). FP4 scales in
+// activations to bf16 first: exact). B [E, N, K/2] packed (even k in the low nibble; FP4 with b_packed: each
+// 32-bit word's bits in qmoe's packed order, core/fp4_weight_pack.h). FP4 scales in
 // the 128x4 swizzled layout (DESIGN.md 3.3: [E, round_up(N, 128), round_up(K / block, 4)] bytes).
 // s = row_scales[r] (fp32, nullptr = 1). out = fp32 value (d_fp32) or bf16 RNE.
 // Expert e owns rows [expert_offsets[e], + problem_sizes[e][1]), both read on the device.
@@ -36,6 +37,7 @@ struct Bf16W4GemmArgs {
   const uint8_t* b = nullptr;              // packed 4-bit [E, N, K/2]
   const void* b_scales = nullptr;          // bf16 (int4) or e4m3 / ue8m0 bytes (FP4, swizzled)
   W4Format format = W4Format::kNvfp4;
+  bool b_packed = false;                   // FP4: B words in qmoe's packed order (pack_fp4_weights)
   const float* row_scales = nullptr;       // [max_rows] or nullptr (= 1)
   void* d = nullptr;                       // fp32 or bf16 [max_rows, N]
   bool d_fp32 = false;

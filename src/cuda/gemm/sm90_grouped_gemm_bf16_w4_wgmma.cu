@@ -143,7 +143,7 @@ __device__ __forceinline__ uint32_t chunk_word(const uint8_t* chunk, int r) {
 // FP4: the A operand of one stage: this thread's weight rows r0, r0 + 1 (sw: the stage's weight tile, chunk k
 // of row r at k ^ ((r >> 1) & 3)) decoded to bf16 with the group's block scales from ss (blocks from `valid` on
 // read as scale 0: past K, or the layout's padding), a[s] for k16 step s.
-template <W4Format F>
+template <W4Format F, bool kPacked>
 __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, const uint8_t* ss, int r0, int tig, int valid,
                                                 uint32_t (&a)[8][4]) {
   const int x = (r0 >> 1) & 3;
@@ -174,8 +174,14 @@ __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, const uint8_t
       s1[b] = scale_splat<F>((sc1[b / 4] >> (8 * (b % 4))) & 0xFFu);
     }
     const uint32_t sel = sel_byte(tig);
+    // Packed words (core/fp4_weight_pack.h): byte tig by its thread's rotation, mask and multiply (bytes 0..2:
+    // rotate by 3 tig, multiply by 1; byte 3: mask, multiply by 0x4108), one form for the whole warp.
+    const int rot = tig < 3 ? 3 * tig : 0;
+    const uint32_t pre = tig < 3 ? 0xFFFFFFFFu : fp4pack::kByte3Mask;
+    const uint32_t mul = tig < 3 ? 1u : fp4pack::kByte3Mul;
     auto dec = [&](uint32_t w, uint32_t scale2) {
-      const __nv_bfloat162 e = bf2(e2m1_pair(w, sel));
+      const __nv_bfloat162 e =
+          bf2(kPacked ? ((__funnelshift_r(w, w, rot) & pre) * mul) & fp4pack::kDecodeMask : e2m1_pair(w, sel));
       if constexpr (kNv) return bits(__hmul2(e, bf2(scale2)));
       else return bits(__hmul2(__hmul2(e, bf2(0x7E807E80u)), bf2(scale2)));  // * 2^126, * 2^(s - 127)
     };
@@ -250,7 +256,7 @@ __device__ __forceinline__ void load_stage(const Params& p, const TileBoxes& b, 
   }
 }
 
-template <W4Format F, class OutT, int TILE_N>
+template <W4Format F, class OutT, int TILE_N, bool kPacked = false>  // kPacked: FP4 words in packed order
 __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Params p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   using S = Shape<TILE_N>;
@@ -319,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       const uint8_t* sw = stages + (it % kStages) * kStageBytes + kStageA;
       const int valid = p.scale_blocks - convert_at.k * kBlocksPerGroup;
       convert_at.advance(groups);
-      stage_a_operand<F>(sw, sw + kStageW, r0, tig, valid, out);
+      stage_a_operand<F, kPacked>(sw, sw + kStageW, r0, tig, valid, out);
     }
   };
 
@@ -455,8 +461,14 @@ void launch_wgmma(const Bf16W4Params& params, int tile_n, bool fp32_out, int64_t
   auto launch = [&](auto tile) {
     constexpr int kTileN = decltype(tile)::value;
     constexpr int kSmem = Shape<kTileN>::kSmemBytes;
-    if (fp32_out) launch_persistent<kernel<F, float, kTileN>>(kThreads, kSmem, stream, tp, "bf16 x 4-bit wgmma");
-    else launch_persistent<kernel<F, __nv_bfloat16, kTileN>>(kThreads, kSmem, stream, tp, "bf16 x 4-bit wgmma");
+    auto go = [&](auto packed) {
+      constexpr bool kPacked = decltype(packed)::value;
+      if (fp32_out) launch_persistent<kernel<F, float, kTileN, kPacked>>(kThreads, kSmem, stream, tp, "bf16 x 4-bit wgmma");
+      else launch_persistent<kernel<F, __nv_bfloat16, kTileN, kPacked>>(kThreads, kSmem, stream, tp, "bf16 x 4-bit wgmma");
+    };
+    if constexpr (F == W4Format::kInt4G128) go(std::false_type{});
+    else if (params.fp4_packed) go(std::true_type{});
+    else go(std::false_type{});
   };
   if (tile_n == 160) launch(std::integral_constant<int, 160>{});
   else if (tile_n == 128) launch(std::integral_constant<int, 128>{});

@@ -42,5 +42,7 @@ void unswizzle_scales_128x4(const TensorRef& swizzled, TensorRef sf, int64_t exp
 void interleave_int4_scales(const TensorRef& logical, TensorRef stored, bool to_stored, cudaStream_t stream);
 // W13 [E, 2I, C] row-block reorder (to_flashinfer: SGLang -> FlashInfer).
 void reorder_gate_up(const TensorRef& w, TensorRef out, bool to_flashinfer, cudaStream_t stream);
+// FP4 weight words to (pack) or from qmoe's packed order (core/fp4_weight_pack.h); numel % 4 == 0.
+void convert_fp4_words(const TensorRef& w, TensorRef out, bool pack, cudaStream_t stream);
 
 }  // namespace qmoe::cuda

@@ -15,6 +15,7 @@
 
 #include "cuda/quant/quant_common.cuh"
 #include "cuda/quant/quant_launch.h"
+#include "core/fp4_weight_pack.h"
 
 namespace qmoe::cuda {
 
@@ -155,6 +156,26 @@ void reorder_gate_up(const TensorRef& w, TensorRef out, bool to_flashinfer, cuda
   }
   quant::check_launch(to_flashinfer ? "qmoe::gate_up_sglang_to_flashinfer (CUDA launch)"
                                     : "qmoe::gate_up_flashinfer_to_sglang (CUDA launch)");
+}
+
+// One 32-bit word per thread (grid-stride). The bit permutation is a 32-iteration loop over constants: this
+// runs once per weight load, not per forward.
+__global__ void fp4_words_kernel(const uint32_t* __restrict__ in, uint32_t* __restrict__ out, int64_t words,
+                                 bool pack) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < words;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = pack ? fp4pack::pack_word(in[i]) : fp4pack::unpack_word(in[i]);
+}
+
+void convert_fp4_words(const TensorRef& w, TensorRef out, bool pack, cudaStream_t stream) {
+  const int64_t words = w.numel() / 4;
+  if (words == 0) return;
+  DeviceGuard guard(w.device_index);
+  QMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(w.data) % 4 == 0 && reinterpret_cast<uintptr_t>(out.data) % 4 == 0,
+                 pack ? "w" : "packed", "4-byte aligned data (and out)", "an address that is not 4-byte aligned");
+  fp4_words_kernel<<<quant::grid_for(words), kThreads, 0, stream>>>(quant::data<const uint32_t>(w),
+                                                                    quant::data<uint32_t>(out), words, pack);
+  quant::check_launch(pack ? "qmoe::pack_fp4_weights (CUDA launch)" : "qmoe::unpack_fp4_weights (CUDA launch)");
 }
 
 }  // namespace qmoe::cuda
