@@ -68,6 +68,9 @@ struct FusedMoeParams {
   float situ_beta = 1.0f;                   // SiTU only
   std::optional<float> situ_linear_beta;    // SiTU only
   GateUpLayout gate_up_layout = GateUpLayout::kGateUp;
+  // FP4 weight modes (w4a4, w4a8, w4a16): w1 and w2 in qmoe's packed word order (pack_fp4_weights,
+  // formats.h), which the GPU GEMMs decode with fewer instructions; same results. A qmoe extension.
+  bool fp4_weights_packed = false;
 
   bool deterministic = false;  // false: fused (atomic) finalize; true: fixed-order fp32 sum
   float routed_scaling_factor = 1.0f;

@@ -74,7 +74,8 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
               num_local_experts=None, local_expert_offset=0, activation="swiglu", swiglu_alpha=1.0,
               swiglu_beta=0.0, swiglu_limit=math.inf, situ_beta=1.0, situ_linear_beta=None,
               gate_up_layout="gate_up", deterministic=False, routed_scaling_factor=1.0,
-              output_dtype="bfloat16", out=None, tactic=None, workspace=None, enable_pdl=True, aux_stream=None):
+              output_dtype="bfloat16", out=None, tactic=None, workspace=None, enable_pdl=True, aux_stream=None,
+              fp4_weights_packed=False):
     """One MoE layer: out[t] = rsf * sum_j w[t,j] * alpha2 * W2 . requant(act(alpha1 * W13 . x[t])).
 
     See include/qmoe/fused_moe.h for the tensors of each quant_mode. `out` ([T, H]) is written,
@@ -89,6 +90,9 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
     finalize only): a torch.cuda.Stream or raw cudaStream_t int on x's device that runs the output
     memset, forked from and joined back into the current stream, so it overlaps the earlier kernels
     (FlashInfer's aux_stream); None: the memset runs on the current stream.
+    `fp4_weights_packed` (FP4 weight modes w4a4 / w4a8 / w4a16; a qmoe extension): w1 and w2 are in qmoe's
+    packed word order (qmoe.quant.pack_fp4_weights, a one-time weight preparation): same results, faster
+    GPU GEMMs (their FP4 decode takes fewer instructions).
     """
     if quant_mode not in QUANT_MODES:
         raise ValueError(f"qmoe: argument 'quant_mode': expected one of {QUANT_MODES}, got {quant_mode!r}")
@@ -111,6 +115,7 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
                        local_expert_offset, activation, swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta,
                        situ_linear_beta, gate_up_layout, deterministic, routed_scaling_factor, tactic)
     call.enable_pdl = bool(enable_pdl)
+    call.fp4_weights_packed = bool(fp4_weights_packed)
     if workspace is not None and not (is_torch(x) and x.is_cuda):
         raise ValueError("qmoe: argument 'workspace': expected None for CPU tensors (the CPU engine "
                          f"allocates its own scratch), got {_describe(workspace)}")
@@ -177,7 +182,7 @@ def moe_expert_rows(x, topk_ids, w1, w1_scale, w2, w2_scale, *, quant_mode, num_
                     w1_alpha=None, w2_alpha=None, fc2_input_scale=None, per_token_scale=None,
                     num_local_experts=None, local_expert_offset=0, activation="swiglu", swiglu_alpha=1.0,
                     swiglu_beta=0.0, swiglu_limit=math.inf, situ_beta=1.0, situ_linear_beta=None,
-                    gate_up_layout="gate_up", rows=None, tactic=None):
+                    gate_up_layout="gate_up", rows=None, tactic=None, fp4_weights_packed=False):
     """Per-slot GEMM2 rows without the finalize: rows bf16 [T*k, H], rows[t*k + j] =
     bf16(alpha2 * W2 . requant(act(alpha1 * W13 . x[t]))) for every valid local slot (no routing
     weight); rows of other slots are left unwritten. moe_finalize(rows, ...) then equals
@@ -204,6 +209,7 @@ def moe_expert_rows(x, topk_ids, w1, w1_scale, w2, w2_scale, *, quant_mode, num_
         quant_mode, x, x_scale, topk_ids, ones, w1, w1_scale, w1_alpha, fc2_input_scale, w2, w2_scale, w2_alpha,
         per_token_scale, (rows, "rows"), num_experts, num_local_experts, local_expert_offset, activation,
         swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta, situ_linear_beta, gate_up_layout, True, 1.0, tactic)
+    call.fp4_weights_packed = bool(fp4_weights_packed)
     workspace = None
     if is_torch(x) and x.is_cuda:
         # Exact scratch size from C++ (validates the call first); torch's caching allocator makes it

@@ -493,6 +493,34 @@ def swizzle_scales_128x4(sf):
     return out
 
 
+def _fp4_words(w, pack: bool):
+    name = "w" if pack else "packed"
+    fn = _C.pack_fp4_weights if pack else _C.unpack_fp4_weights
+    if _on_gpu(w):
+        torch = _torch()
+        w = _g_codes(w, name, w)
+        out = torch.empty_like(w)
+        fn(arg(w.view(torch.uint8), name), arg(out.view(torch.uint8), "out"), stream=current_stream(w))
+        return out
+    w = _codes_u8(w, name)
+    out = np.empty_like(w)
+    fn(arg(w.view(np.uint8), name), arg(out.view(np.uint8), "out"))
+    return out
+
+
+def pack_fp4_weights(w):
+    """FP4 weights (fp4x2 bytes [..., K/2], K % 8 == 0; numpy uint8 or a torch uint8 / float4_e2m1fn_x2
+    tensor, CPU or CUDA) -> the same bytes with every 32-bit word's bits in qmoe's packed order (DESIGN.md
+    3.4), for fused_moe(..., fp4_weights_packed=True): a one-time weight preparation that makes the GPU
+    GEMMs' FP4 decode cheaper. Scales are not touched."""
+    return _fp4_words(w, True)
+
+
+def unpack_fp4_weights(packed):
+    """Inverse of pack_fp4_weights."""
+    return _fp4_words(packed, False)
+
+
 def unswizzle_scales_128x4(swizzled, rows: int, cols: int):
     """Inverse of swizzle_scales_128x4: swizzled [E, Rp, Cp] or [Rp, Cp] -> [E, rows, cols] (same dtype)."""
     if _on_gpu(swizzled):

@@ -59,7 +59,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w1_
               swiglu_alpha: float = 1.0, swiglu_beta: float = 0.0, swiglu_limit: float = _FLT_MAX,
               situ_beta: float = 1.0, situ_linear_beta: Optional[float] = None, gate_up_layout: str = "gate_up",
               deterministic: bool = False, routed_scaling_factor: float = 1.0,
-              output_dtype: str = "bfloat16") -> Tensor:
+              output_dtype: str = "bfloat16", fp4_weights_packed: bool = False) -> Tensor:
     return ops.fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, quant_mode=quant_mode,
                          num_experts=num_experts, x_scale=x_scale, w1_alpha=w1_alpha, w2_alpha=w2_alpha,
                          fc2_input_scale=fc2_input_scale, per_token_scale=per_token_scale,
@@ -67,7 +67,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w1_
                          activation=activation, swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta,
                          swiglu_limit=swiglu_limit, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                          gate_up_layout=gate_up_layout, deterministic=deterministic,
-                         routed_scaling_factor=routed_scaling_factor, output_dtype=output_dtype)
+                         routed_scaling_factor=routed_scaling_factor, output_dtype=output_dtype,
+                         fp4_weights_packed=fp4_weights_packed)
 
 
 @fused_moe.register_fake
@@ -75,5 +76,5 @@ def _(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, quant_mode, num_exp
       w2_alpha=None, fc2_input_scale=None, per_token_scale=None, num_local_experts=None, local_expert_offset=0,
       activation="swiglu", swiglu_alpha=1.0, swiglu_beta=0.0, swiglu_limit=_FLT_MAX, situ_beta=1.0,
       situ_linear_beta=None, gate_up_layout="gate_up", deterministic=False, routed_scaling_factor=1.0,
-      output_dtype="bfloat16"):
+      output_dtype="bfloat16", fp4_weights_packed=False):
     return x.new_empty((topk_ids.shape[0], w2.shape[1]), dtype=getattr(torch, output_dtype))

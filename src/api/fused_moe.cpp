@@ -288,6 +288,9 @@ void validate_inputs(const FusedMoeParams& p) {
   check_tensor(p.w1, "w1", weight_types, {local, rows1, hidden / 2}, x);
   check_weight_scale(p.w1_scale, "w1_scale", mode, local, rows1, hidden, x);
   check_weight_scale(p.w2_scale, "w2_scale", mode, local, hidden, inter, x);
+  QMOE_CHECK_ARG(!p.fp4_weights_packed || !is_int4_mode(mode), "fp4_weights_packed",
+                 "false for int4 weights (packed words are an FP4 weight layout)",
+                 std::string("true with quant_mode ") + quant_mode_name(mode));
 
   validate_mode(p, tokens, hidden, local);
   validate_activation(p, inter);

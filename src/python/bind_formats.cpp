@@ -128,6 +128,14 @@ void bind_formats(nb::module_& m) {
   m.def("swizzled_offset", &swizzled_offset, nb::arg("expert"), nb::arg("row"), nb::arg("col"), nb::arg("row_tiles"),
         nb::arg("col_tiles"));
   m.def(
+      "pack_fp4_weights",
+      [](const Arg& w, Arg& out, uintptr_t stream) { pack_fp4_weights(w.ref, out.ref, as_stream(stream)); },
+      nb::arg("w"), nb::arg("out"), nb::arg("stream") = 0);
+  m.def(
+      "unpack_fp4_weights",
+      [](const Arg& packed, Arg& out, uintptr_t stream) { unpack_fp4_weights(packed.ref, out.ref, as_stream(stream)); },
+      nb::arg("packed"), nb::arg("out"), nb::arg("stream") = 0);
+  m.def(
       "swizzle_scales_128x4",
       [](const Arg& sf, Arg& out, uintptr_t stream) { swizzle_scales_128x4(sf.ref, out.ref, as_stream(stream)); },
       nb::arg("sf"), nb::arg("out"), nb::arg("stream") = 0, NoGil());

@@ -214,6 +214,9 @@ void bind_ops(nb::module_& m) {
       .def_prop_rw(
           "enable_pdl", [](const LayerCall& c) { return c.params.enable_pdl; },
           [](LayerCall& c, bool on) { c.params.enable_pdl = on; })
+      .def_prop_rw(
+          "fp4_weights_packed", [](const LayerCall& c) { return c.params.fp4_weights_packed; },
+          [](LayerCall& c, bool on) { c.params.fp4_weights_packed = on; })
       // The fused finalize's side stream for the output memset (raw cudaStream_t; 0: none).
       .def_prop_rw(
           "aux_stream", [](const LayerCall& c) { return reinterpret_cast<uintptr_t>(c.params.aux_stream); },

@@ -579,10 +579,35 @@ class FusedMoe {
 
 }  // namespace
 
-void fused_moe(const FusedMoeParams& p) { FusedMoe(p).run(); }
+namespace {
+// Packed FP4 weights (FusedMoeParams::fp4_weights_packed): the reference reads plain copies.
+struct PlainWeights {
+  std::vector<uint8_t> w1, w2;
+  FusedMoeParams params;
+  explicit PlainWeights(const FusedMoeParams& p) : params(p) {
+    if (!p.fp4_weights_packed) return;
+    auto plain = [](const TensorRef& packed, std::vector<uint8_t>& bytes, TensorRef& slot) {
+      bytes.resize(static_cast<size_t>(packed.numel()));
+      TensorRef out = packed;
+      out.data = bytes.data();
+      unpack_fp4_weights(packed, out);
+      slot = out;
+    };
+    plain(p.w1, w1, params.w1);
+    plain(p.w2, w2, params.w2);
+    params.fp4_weights_packed = false;
+  }
+};
+}  // namespace
+
+void fused_moe(const FusedMoeParams& p) {
+  const PlainWeights plain(p);
+  FusedMoe(plain.params).run();
+}
 
 void moe_expert_rows(const FusedMoeParams& p, const TensorRef& rows) {
-  FusedMoe moe(p);
+  const PlainWeights plain(p);
+  FusedMoe moe(plain.params);
   moe.compute_rows();
   moe.write_rows(rows);
 }

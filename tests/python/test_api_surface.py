@@ -17,7 +17,7 @@ FI_FUSED = ["x", "x_sf", "token_selected_experts", "token_final_scales", "w1_wei
             "num_local_experts", "local_expert_offset", "output_dtype", "use_fused_finalize", "moe_output",
             "aux_stream", "enable_pdl", "activation_type", "swiglu_alpha", "swiglu_beta", "swiglu_limit",
             "situ_beta", "situ_linear_beta", "quant_mode", "per_token_scale", "tactic",
-            "workspace"]  # tactic, workspace: qmoe extensions (keyword-only)
+            "workspace", "fp4_weights_packed"]  # tactic, workspace, fp4_weights_packed: qmoe extensions (keyword-only)
 FI_WRAPPER_RUN = ["x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf",
                   "w1_alpha", "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha", "tactic",
                   "per_token_scale"]

@@ -407,3 +407,62 @@ def test_fp4_sizes_not_multiple_of_32_raise(hidden, inter):
     run_cpu(case, deterministic=True)
     with pytest.raises(Exception, match="w2"):
         run_gpu(on_device(case))
+
+
+# ------------------------------------------------------------------------------------------------
+# packed FP4 weights (qmoe.quant.pack_fp4_weights, fused_moe(..., fp4_weights_packed=True))
+# ------------------------------------------------------------------------------------------------
+def packed_weights(case: dict) -> dict:
+    """The case with w1 / w2 in qmoe's packed word order (packed on the host)."""
+    return dict(case, w1=qmoe.quant.pack_fp4_weights(case["w1"]), w2=qmoe.quant.pack_fp4_weights(case["w2"]))
+
+
+PACKED_SIZE_CASES = [(1, 8, 128), (7, 2, 8), (128, 8, 8), (515, 2, 8), (1024, 4, 256)]
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", PACKED_SIZE_CASES)
+@pytest.mark.parametrize("mode", FP4_MODES)
+def test_packed_weights_sizes(mode, tokens, top_k, experts):
+    """GPU with packed weights (the heuristic's decode or prefill tiles) vs the CPU engine on the plain ones."""
+    i = PACKED_SIZE_CASES.index((tokens, top_k, experts))
+    case = make_case(mode, tokens, top_k, experts, seed=90 + tokens + experts + 5 * FP4_MODES.index(mode))
+    gpu = to_np(run_gpu(on_device(packed_weights(case)), deterministic=i % 2 == 0, fp4_weights_packed=True))
+    compare(gpu, run_cpu(case, deterministic=i % 2 == 0), case, f"{mode} packed T={tokens} k={top_k} E={experts}")
+
+
+@pytest.mark.parametrize("tactic", BF16_TACTICS)
+@pytest.mark.parametrize("mode", FP4_MODES)
+def test_packed_weights_every_tactic(mode, tactic):
+    case = make_case(mode, 41, 4, 8, seed=91)
+    gpu = to_np(run_gpu(on_device(packed_weights(case)), deterministic=True, tactic=tactic, fp4_weights_packed=True))
+    compare(gpu, run_cpu(case, deterministic=True), case, f"{mode} packed {tactic}")
+
+
+@pytest.mark.parametrize("mode", FP4_MODES)
+def test_packed_weights_model_shape_ep(mode):
+    """gpt-oss-120b (H = I = 2880: 1440-byte rows, 90 NVFP4 / 45 MX blocks) on one EP rank, both finalizes."""
+    experts, top_k, hidden, inter = testing.MODEL_SHAPES["gpt_oss_120b"]
+    case = testing.make_fused_moe_case(mode, 5, hidden, inter, experts, top_k, seed=92, num_local_experts=8,
+                                       local_expert_offset=60, expert_range=(56, 72))
+    case.update(GPT_OSS)
+    dev = on_device(packed_weights(case))
+    for deterministic in (True, False):
+        gpu = to_np(run_gpu(dev, deterministic=deterministic, fp4_weights_packed=True))
+        compare(gpu, run_cpu(case, deterministic=deterministic), case, f"{mode} packed gpt_oss_120b")
+
+
+def test_pack_fp4_weights_gpu_matches_cpu():
+    rng = np.random.default_rng(93)
+    w = rng.integers(0, 256, (3, 40, 64), dtype=np.uint8)
+    cpu = qmoe.quant.pack_fp4_weights(w)
+    gpu = qmoe.quant.pack_fp4_weights(torch.from_numpy(w).cuda())
+    assert np.array_equal(gpu.cpu().numpy(), cpu)
+    assert not np.array_equal(cpu, w)
+    back = qmoe.quant.unpack_fp4_weights(gpu)
+    assert np.array_equal(back.cpu().numpy(), w)
+
+
+def test_packed_weights_refused_for_int4():
+    case = on_device(make_case("w4a16_int4", 3, 2, 8, seed=94))
+    with pytest.raises(ValueError, match="fp4_weights_packed"):
+        run_gpu(case, fp4_weights_packed=True)

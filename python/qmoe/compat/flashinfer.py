@@ -92,11 +92,13 @@ def cute_dsl_fused_moe(x, x_sf, token_selected_experts, token_final_scales, w1_w
                        use_fused_finalize=True, moe_output=None, aux_stream=None, enable_pdl=True,
                        activation_type=ActivationType.Swiglu, swiglu_alpha=1.0, swiglu_beta=0.0,
                        swiglu_limit=FLT_MAX, situ_beta=None, situ_linear_beta=None, *, quant_mode="w4a4",
-                       per_token_scale=None, tactic=None, workspace=None):
+                       per_token_scale=None, tactic=None, workspace=None, fp4_weights_packed=False):
     """FlashInfer's seed signature. Returns the [num_tokens, hidden] output (moe_output if given).
     use_fused_finalize=True: output zeroed (on aux_stream when given: a torch.cuda.Stream or raw
     handle, forked from and joined back into the current stream), GEMM2 scatter-adds into it.
-    workspace (qmoe extension): pre-allocated scratch (qmoe.fused_moe's `workspace`)."""
+    workspace (qmoe extension): pre-allocated scratch (qmoe.fused_moe's `workspace`).
+    fp4_weights_packed (qmoe extension): w1_weight / w2_weight prepared once by qmoe.quant.pack_fp4_weights
+    (faster GPU GEMMs, same results)."""
     mode = _quant_mode(quant_mode)
     activation = _activation(activation_type, situ_beta, situ_linear_beta)
     if len(getattr(token_selected_experts, "shape", ())) != 2 or token_selected_experts.shape[1] != top_k:
@@ -119,7 +121,7 @@ def cute_dsl_fused_moe(x, x_sf, token_selected_experts, token_final_scales, w1_w
             situ_beta=1.0 if situ_beta is None else situ_beta, situ_linear_beta=situ_linear_beta,
             gate_up_layout=layout, deterministic=not use_fused_finalize, output_dtype=output_dtype, out=moe_output,
             tactic=None if tactic is None else str(tactic), workspace=workspace, enable_pdl=bool(enable_pdl),
-            aux_stream=aux_stream if use_fused_finalize else None)
+            aux_stream=aux_stream if use_fused_finalize else None, fp4_weights_packed=bool(fp4_weights_packed))
 
 
 # qmoe's native argument names -> FlashInfer's: errors raised under cute_dsl_fused_moe name each
@@ -153,7 +155,7 @@ class CuteDslMoEWrapper:
                  sf_vec_size=16, output_dtype="bfloat16", device="cuda", enable_pdl=True,
                  activation_type=ActivationType.Swiglu, swiglu_alpha=1.0, swiglu_beta=0.0, swiglu_limit=FLT_MAX,
                  situ_beta=None, situ_linear_beta=None, use_fused_finalize=True, quant_mode="w4a4",
-                 localized_weights=None, locality_streams=None):
+                 localized_weights=None, locality_streams=None, fp4_weights_packed=False):
         if localized_weights is not None or locality_streams is not None:
             raise ValueError("qmoe: argument 'localized_weights': expected None: locality domains exist only on "
                              "two-die GPUs (Rubin); Hopper is one die, so there is nothing to localize")
@@ -189,7 +191,7 @@ class CuteDslMoEWrapper:
             self._aux_stream = torch.cuda.Stream(device=self._output.device)
         self._config = dict(activation_type=activation_type, swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta,
                             swiglu_limit=swiglu_limit, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                            use_fused_finalize=use_fused_finalize)
+                            use_fused_finalize=use_fused_finalize, fp4_weights_packed=bool(fp4_weights_packed))
 
     def get_valid_tactics(self):
         """Tactic names usable by run(): on a CUDA device, the GEMM tactics valid for both GEMMs of

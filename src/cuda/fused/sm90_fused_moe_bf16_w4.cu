@@ -123,6 +123,7 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
     g.b = w.ptr<const uint8_t>();
     g.b_scales = w_scale.data;
     g.format = format;
+    g.b_packed = p.fp4_weights_packed;
     g.row_scales = s;
     g.d = d;
     g.d_fp32 = d_fp32;
