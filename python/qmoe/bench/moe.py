@@ -64,6 +64,11 @@ DRY_RUN_TOKENS = (1, 8, 64)
 FINALIZES = {"det": True, "fused": False}  # name -> qmoe.fused_moe(deterministic=...)
 
 
+def _packed(args, mode) -> bool:
+    """--fp4-packed applies to the FP4 weight modes (w4a4, w4a8, w4a16)."""
+    return bool(getattr(args, "fp4_packed", False)) and common.QUANT_MODES[mode][0] != "int4_g128"
+
+
 def _pdl_kwargs(args) -> dict:
     """--pdl: qmoe.fused_moe's enable_pdl, or nothing (the library's default); --tactic: a forced tactic."""
     kw = {} if args.pdl == "default" else {"enable_pdl": args.pdl == "on"}
@@ -107,6 +112,9 @@ def _parse_args(argv):
     p.add_argument("--tactic", default="",
                    help="force this tactic on qmoe's calls (default: the heuristic); where it is not valid the "
                         "row records the error")
+    p.add_argument("--fp4-packed", action="store_true",
+                   help="FP4 weight modes: weights prepared by qmoe.quant.pack_fp4_weights, fused_moe(fp4_weights_packed=True)"
+                   " (results files get a _packed suffix)")
     p.add_argument("--no-torch-peers", action="store_true", help="skip the torch._grouped_mm MoE peers")
     p.add_argument("--peers", default=common.peer_path(PEER_FILE, "QMOE_VLLM_PEERS"),
                    help="vLLM peer measurement JSON ('' to skip; default $QMOE_VLLM_PEERS or the shared/bench copy)")
@@ -430,7 +438,15 @@ def _bench_qmoe(torch, ctx, rows, routes, args, timer, mode=DEFAULT_MODE):
     wfmt = common.QUANT_MODES[mode][0]
     set_bytes = experts * (common.weight_bytes(wfmt, 1, 2 * inter, hidden)
                            + common.weight_bytes(wfmt, 1, hidden, inter))
-    pool = _Pool(lambda: make_qmoe_weights(torch, experts, hidden, inter, gen, device, mode))
+    packed = _packed(args, mode)
+
+    def make():
+        w = make_qmoe_weights(torch, experts, hidden, inter, gen, device, mode)
+        if packed:
+            w = dict(w, w1=qmoe.quant.pack_fp4_weights(w["w1"]), w2=qmoe.quant.pack_fp4_weights(w["w2"]))
+        return w
+
+    pool = _Pool(make)
     layout = common.mode_gate_up_layout(mode, inter)
     for row in rows:
         ids, wts = routes[row["T"]]
@@ -442,7 +458,8 @@ def _bench_qmoe(torch, ctx, rows, routes, args, timer, mode=DEFAULT_MODE):
             for w in pool.take(n_sets):
                 act = common.make_mode_activations(torch, mode, row["T"], hidden, gen, device, args.dynamic_scales)
                 kwargs.append(dict(w, **act, topk_ids=ids, topk_weights=wts, quant_mode=mode, num_experts=experts,
-                                   gate_up_layout=layout, **_pdl_kwargs(args)))
+                                   gate_up_layout=layout, **_pdl_kwargs(args),
+                                   **({"fp4_weights_packed": True} if packed else {})))
             outs = {f: [torch.empty((row["T"], hidden), device=device, dtype=torch.bfloat16) for _ in kwargs]
                     for f in args.finalize}
             # one checked call of each finalize on set 0 before timing
@@ -595,7 +612,7 @@ def numpy_counts(tokens, topk, experts, seed):
 # ------------------------------------------------------------------------------------------------
 # checks run once before the table (reported in its header)
 # ------------------------------------------------------------------------------------------------
-def check_qmoe(torch, device, mode=DEFAULT_MODE) -> str:
+def check_qmoe(torch, device, mode=DEFAULT_MODE, packed=False) -> str:
     """qmoe.fused_moe in `mode` on `device` vs the C++ CPU engine on numpy, a small qmoe.testing
     case moved to torch with the tests' conversion."""
     import qmoe
@@ -603,12 +620,17 @@ def check_qmoe(torch, device, mode=DEFAULT_MODE) -> str:
 
     case = testing.make_fused_moe_case(mode, 37, 256, 128, 16, 4, seed=3)
     dev = {k: common.numpy_to_torch(torch, v, device) for k, v in case.items()}
+    extra = {}
+    if packed:  # packed on the device, the CPU engine on the plain weights
+        dev.update(w1=qmoe.quant.pack_fp4_weights(dev["w1"]), w2=qmoe.quant.pack_fp4_weights(dev["w2"]))
+        extra = dict(fp4_weights_packed=True)
     parts = []
     for f, det in FINALIZES.items():
-        got = common.torch_to_numpy(torch, qmoe.fused_moe(**dev, deterministic=det))
+        got = common.torch_to_numpy(torch, qmoe.fused_moe(**dev, deterministic=det, **extra))
         want = qmoe.fused_moe(**case, deterministic=det)
         parts.append(f"{f} rel_rms {testing.rel_rms(got, want):.1e}")
-    return f"qmoe {mode} on {device} vs the CPU engine (T=37, E=16, k=4, H=256, I=128): " + ", ".join(parts)
+    return (f"qmoe {mode}{' (packed FP4 weights)' if packed else ''} on {device} vs the CPU engine "
+            "(T=37, E=16, k=4, H=256, I=128): " + ", ".join(parts))
 
 
 def check_torch_peers(torch, device) -> str:
@@ -707,6 +729,8 @@ def mode_header(mode, gpu, today, ceiling_line, args, peers, peer_note, checks) 
         data = "dynamic a1, a2" if args.dynamic_scales else "static a1 = amax(x)/448, a2 = 8/448"
     else:
         data = DATA_TEXT[mode] + (FP4_LAYOUT_TEXT if wfmt != "int4_g128" else "")
+        if _packed(args, mode):
+            data += ", weights in qmoe's packed word order (pack_fp4_weights, fp4_weights_packed=True)"
     header = [f"# qmoe fused MoE layer ({mode}), {gpu}, {today}",
               "",
               ceiling_line,
@@ -809,7 +833,7 @@ def main(argv=None) -> int:
         mode_checks = list(checks)
         if torch is not None:
             try:
-                mode_checks.append(check_qmoe(torch, device, mode))
+                mode_checks.append(check_qmoe(torch, device, mode, _packed(args, mode)))
             except Exception as e:
                 mode_checks.append(f"check_qmoe {mode}: n/a ({_reason(e)})")
         header = mode_header(mode, gpu, today, ceiling_line, args, peers, peer_note, mode_checks)
@@ -822,7 +846,8 @@ def main(argv=None) -> int:
         payload = dict(device=gpu, torch=getattr(torch, "__version__", None), dry_run=args.dry_run, quant_mode=mode,
                        date=datetime.datetime.now().isoformat(timespec="seconds"), ceilings=ceilings,
                        args=vars(args), peers=peer_note, checks=mode_checks, seconds=elapsed, rows=rows)
-        stem = write_outputs(args.out_dir, output_stem(today, gpu, mode), table, payload)
+        stem = write_outputs(args.out_dir, output_stem(today, gpu, mode) + ("_packed" if _packed(args, mode) else ""),
+                             table, payload)
         print(f"\nwrote {stem}.json and {stem}.md\n", flush=True)
         supported = [r for r in rows if not qmoe_unsupported(r["H"], r["I"], mode)]
         failed += [r for r in supported if any(k in r.get("errors", {}) for k in QMOE_KEYS)]
