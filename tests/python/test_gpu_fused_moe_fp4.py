@@ -37,6 +37,7 @@ torch = require_hopper()
 
 import qmoe  # noqa: E402
 from qmoe import _C  # noqa: E402
+from qmoe import quant  # noqa: E402
 from qmoe import testing  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -410,11 +411,11 @@ def test_fp4_sizes_not_multiple_of_32_raise(hidden, inter):
 
 
 # ------------------------------------------------------------------------------------------------
-# packed FP4 weights (qmoe.quant.pack_fp4_weights, fused_moe(..., fp4_weights_packed=True))
+# packed FP4 weights (quant.pack_fp4_weights, fused_moe(..., fp4_weights_packed=True))
 # ------------------------------------------------------------------------------------------------
 def packed_weights(case: dict) -> dict:
     """The case with w1 / w2 in qmoe's packed word order (packed on the host)."""
-    return dict(case, w1=qmoe.quant.pack_fp4_weights(case["w1"]), w2=qmoe.quant.pack_fp4_weights(case["w2"]))
+    return dict(case, w1=quant.pack_fp4_weights(case["w1"]), w2=quant.pack_fp4_weights(case["w2"]))
 
 
 PACKED_SIZE_CASES = [(1, 8, 128), (7, 2, 8), (128, 8, 8), (515, 2, 8), (1024, 4, 256)]
@@ -454,11 +455,11 @@ def test_packed_weights_model_shape_ep(mode):
 def test_pack_fp4_weights_gpu_matches_cpu():
     rng = np.random.default_rng(93)
     w = rng.integers(0, 256, (3, 40, 64), dtype=np.uint8)
-    cpu = qmoe.quant.pack_fp4_weights(w)
-    gpu = qmoe.quant.pack_fp4_weights(torch.from_numpy(w).cuda())
+    cpu = quant.pack_fp4_weights(w)
+    gpu = quant.pack_fp4_weights(torch.from_numpy(w).cuda())
     assert np.array_equal(gpu.cpu().numpy(), cpu)
     assert not np.array_equal(cpu, w)
-    back = qmoe.quant.unpack_fp4_weights(gpu)
+    back = quant.unpack_fp4_weights(gpu)
     assert np.array_equal(back.cpu().numpy(), w)
 
 

@@ -433,6 +433,7 @@ def _set_count(touched_bytes, set_bytes, args) -> int:
 
 def _bench_qmoe(torch, ctx, rows, routes, args, timer, mode=DEFAULT_MODE):
     import qmoe
+    from .. import quant
 
     experts, topk, hidden, inter, device, gen = ctx
     wfmt = common.QUANT_MODES[mode][0]
@@ -443,7 +444,7 @@ def _bench_qmoe(torch, ctx, rows, routes, args, timer, mode=DEFAULT_MODE):
     def make():
         w = make_qmoe_weights(torch, experts, hidden, inter, gen, device, mode)
         if packed:
-            w = dict(w, w1=qmoe.quant.pack_fp4_weights(w["w1"]), w2=qmoe.quant.pack_fp4_weights(w["w2"]))
+            w = dict(w, w1=quant.pack_fp4_weights(w["w1"]), w2=quant.pack_fp4_weights(w["w2"]))
         return w
 
     pool = _Pool(make)
@@ -616,13 +617,13 @@ def check_qmoe(torch, device, mode=DEFAULT_MODE, packed=False) -> str:
     """qmoe.fused_moe in `mode` on `device` vs the C++ CPU engine on numpy, a small qmoe.testing
     case moved to torch with the tests' conversion."""
     import qmoe
-    from .. import testing
+    from .. import quant, testing
 
     case = testing.make_fused_moe_case(mode, 37, 256, 128, 16, 4, seed=3)
     dev = {k: common.numpy_to_torch(torch, v, device) for k, v in case.items()}
     extra = {}
     if packed:  # packed on the device, the CPU engine on the plain weights
-        dev.update(w1=qmoe.quant.pack_fp4_weights(dev["w1"]), w2=qmoe.quant.pack_fp4_weights(dev["w2"]))
+        dev.update(w1=quant.pack_fp4_weights(dev["w1"]), w2=quant.pack_fp4_weights(dev["w2"]))
         extra = dict(fp4_weights_packed=True)
     parts = []
     for f, det in FINALIZES.items():
