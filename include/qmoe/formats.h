@@ -220,7 +220,7 @@ void swizzle_scales_128x4(const TensorRef& sf, TensorRef out, cudaStream_t strea
 void unswizzle_scales_128x4(const TensorRef& swizzled, TensorRef sf,  // sf gives rows/cols
                             cudaStream_t stream = nullptr);
 
-// qmoe's packed FP4 weight words (DESIGN.md 3.4): w fp4x2 (uint8 or float4_e2m1x2) [..., K/2], K % 8 == 0 ->
+// qmoe's packed FP4 weight words (docs/design.md 3.4): w fp4x2 (uint8 or float4_e2m1x2) [..., K/2], K % 8 == 0 ->
 // out (same dtype and shape) with the bits of every little-endian 32-bit word of each row permuted so that
 // the bf16 x 4-bit GEMMs decode a K pair in fewer instructions (src/core/fp4_weight_pack.h; the decode-tile
 // GEMMs 1.1x faster at T <= 256). The fused MoE's FP4 weight modes take packed weights with

@@ -1,4 +1,4 @@
-// qmoe's packed FP4 weight word (pack_fp4_weights, DESIGN.md 3.4): the bits of each little-endian 32-bit word of
+// qmoe's packed FP4 weight word (pack_fp4_weights, docs/design.md 3.4): the bits of each little-endian 32-bit word of
 // an fp4x2 weight row (8 e2m1 codes, K 8w .. 8w + 7, code k at bits 4k .. 4k + 3) moved so that the GEMMs
 // decode a K pair (2m, 2m + 1) (byte m) to the bf16x2 e2m1 * 2^-126 (sign at 15 / 31, the 3 magnitude bits at
 // 8..6 / 24..22; sm90_grouped_gemm_bf16_w4.cuh) in 1-3 ALU instructions instead of 3-4:

@@ -1,4 +1,4 @@
-"""qmoe's packed FP4 weight words (qmoe.quant.pack_fp4_weights, DESIGN.md 3.4) on the CPU: the packing against
+"""qmoe's packed FP4 weight words (qmoe.quant.pack_fp4_weights, docs/design.md 3.4) on the CPU: the packing against
 an independent numpy model of the documented bit map, the GEMM decode formulas on packed words against the
 e2m1 codes, and fused_moe / cute_dsl_fused_moe / CuteDslMoEWrapper with fp4_weights_packed=True against the
 same call on plain weights (the CPU engine unpacks: bit-identical). GPU cases: test_gpu_fused_moe_fp4.py."""
@@ -14,7 +14,7 @@ S = (6, 7, 8, 15)  # the low bf16's magnitude bits 8..6 and sign bit 15 (the hig
 
 
 def model_position(code: int, bit: int) -> int:
-    """DESIGN.md 3.4: code c (K = c of an 8-code word) of byte m = c // 2, half c % 2 (odd K: high bf16)."""
+    """docs/design.md 3.4: code c (K = c of an 8-code word) of byte m = c // 2, half c % 2 (odd K: high bf16)."""
     m, half = divmod(code, 2)
     if m < 3:
         return (S[bit] + 16 * half + 3 * m) % 32  # S rotated left by 3 m

@@ -25,6 +25,9 @@
 //           NVFP4: one multiply by bf16(sf * 2^118) gives e2m1 * sf * 2^-8 (exact and normal for
 //           every e4m3 sf); the epilogue multiplies by 2^8. MXFP4: a multiply by 2^126 (exact e2m1),
 //           then by the bf16 2^(s - 127) (exact: bf16 has fp32's exponent range).
+//   Packed FP4 words (p.fp4_packed, docs/design.md 3.4): step s's pairs are bytes (2 half, 2 half + 1) of word j
+//           (K (2m, 2m + 1), the activations' own bf16 pairs: no byte permute), each by a mask, a funnel shift
+//           and a mask, or (byte 3) a mask, a multiply and a mask, then the same scale multiply.
 //   Scales of blocks past K are taken as 0 (the padding of the swizzled layout may hold anything;
 //   the zero-filled weights there must contribute 0, not 0 * NaN).
 #pragma once
