@@ -299,7 +299,7 @@ class ExpertParallelMoE:
     def __init__(self, world_size: int, rank: int, num_experts: int, *, transport, quant_mode: str = "w4a8_int4",
                  activation: str = "swiglu", gate_up_layout: str = "gate_up", routed_scaling_factor: float = 1.0,
                  output_dtype: str = "bfloat16", comm_sms: int = 16, low_latency_engine: str = "cpp",
-                 **activation_options):
+                 fp4_weights_packed: bool = False, **activation_options):
         if quant_mode not in _PAYLOAD:
             raise ValueError(f"qmoe: argument 'quant_mode': expected one of {tuple(_PAYLOAD)}, got {quant_mode!r}")
         self.world_size, self.rank, self.num_experts = int(world_size), int(rank), int(num_experts)
@@ -312,6 +312,8 @@ class ExpertParallelMoE:
         self.local_expert_offset = self.rank * self.experts_per_rank
         self.transport, self.quant_mode = transport, quant_mode
         self.options = dict(activation=activation, gate_up_layout=gate_up_layout, **activation_options)
+        # FP4 weight modes: the local experts' w1 / w2 prepared by qmoe.quant.pack_fp4_weights (fused_moe's flag).
+        self.fp4_weights_packed = bool(fp4_weights_packed)
         self.routed_scaling_factor, self.output_dtype = float(routed_scaling_factor), output_dtype
         if isinstance(comm_sms, bool) or not isinstance(comm_sms, (int, np.integer)) or int(comm_sms) < 0:
             raise ValueError(f"qmoe: argument 'comm_sms': expected an integer >= 0, got {comm_sms!r}")
@@ -708,7 +710,8 @@ class ExpertParallelMoE:
         common = dict(quant_mode=self.quant_mode, num_experts=self.num_experts, x_scale=recv.get("x_scale"),
                       per_token_scale=recv.get("per_token_scale"), w1_alpha=w1_alpha, w2_alpha=w2_alpha,
                       fc2_input_scale=fc2_input_scale, num_local_experts=self.experts_per_rank,
-                      local_expert_offset=self.local_expert_offset, tactic=tactic, **self.options)
+                      local_expert_offset=self.local_expert_offset, tactic=tactic,
+                      fp4_weights_packed=self.fp4_weights_packed, **self.options)
         if reduce:
             return ops.fused_moe(recv["x"], ids, recv["topk_weights"], w1, w1_scale, w2, w2_scale, deterministic=False,
                                  routed_scaling_factor=self.routed_scaling_factor, output_dtype=self.output_dtype,
@@ -730,6 +733,7 @@ class ExpertParallelMoE:
                                o["swiglu_alpha"], o["swiglu_beta"], o["swiglu_limit"], o["situ_beta"],
                                o["situ_linear_beta"], self.options["gate_up_layout"], bool(deterministic),
                                self.routed_scaling_factor, tactic)
+        call.fp4_weights_packed = self.fp4_weights_packed
         nbytes = _C.ep_low_latency_layer_workspace_size(call, self.world_size, self.rank, capacity)
         workspace = _empty_bytes(x, nbytes)
         _C.ep_low_latency_layer(call, self.world_size, self.rank, capacity, self.transport.comm,

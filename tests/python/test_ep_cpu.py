@@ -47,7 +47,7 @@ def _single(case, **kw):
 
 
 def _run_ep(case, bounds, world, mode="throughput", max_tokens_per_rank=None, rsf=1.0, output_dtype="bfloat16",
-            drop=(), group_calls=None):
+            drop=(), group_calls=None, **layer_options):
     """Each rank r holds tokens [bounds[r], bounds[r+1]) and weights of experts [r*E/W, (r+1)*E/W)."""
     num_experts = case["num_experts"]
     per = num_experts // world
@@ -59,7 +59,7 @@ def _run_ep(case, bounds, world, mode="throughput", max_tokens_per_rank=None, rs
                    for k in ("w1", "w1_scale", "w2", "w2_scale", "w1_alpha", "w2_alpha")}
         layer = ExpertParallelMoE(world, rank, num_experts, transport=transport, quant_mode=case["quant_mode"],
                                   activation=case["activation"], gate_up_layout=case["gate_up_layout"],
-                                  routed_scaling_factor=rsf, output_dtype=output_dtype)
+                                  routed_scaling_factor=rsf, output_dtype=output_dtype, **layer_options)
         extra = {k: mine.get(k) for k in ("x_scale", "fc2_input_scale", "per_token_scale") if k not in drop}
         return layer.forward(mine["x"], mine["topk_ids"], mine["topk_weights"], weights["w1"], weights["w1_scale"],
                              weights["w2"], weights["w2_scale"], w1_alpha=weights["w1_alpha"],
@@ -412,6 +412,20 @@ def test_other_quant_modes(mode):
     bounds = _bounds(sizes)
     for ep_mode in ("throughput", "low_latency"):
         _check_equal_per_rank(case, bounds, _run_ep(case, bounds, world, ep_mode, max_tokens_per_rank=5))
+
+
+@pytest.mark.parametrize("mode", ["w4a4", "w4a8"])
+def test_packed_fp4_weights(mode):
+    """Every rank's local experts with packed FP4 words (qmoe.quant.pack_fp4_weights) and fp4_weights_packed=True:
+    the same bits as single-GPU fused_moe on the plain weights, in both EP modes."""
+    world, sizes = 2, [6, 3]
+    ids, wts = _routing(9, 4, 8, seed=71)
+    case = _case(mode, ids, wts, num_experts=8)
+    packed = dict(case, w1=qmoe.quant.pack_fp4_weights(case["w1"]), w2=qmoe.quant.pack_fp4_weights(case["w2"]))
+    bounds = _bounds(sizes)
+    for ep_mode in ("throughput", "low_latency"):
+        outs = _run_ep(packed, bounds, world, ep_mode, max_tokens_per_rank=6, fp4_weights_packed=True)
+        _check_equal_per_rank(case, bounds, outs)
 
 
 # ---- the rules ----------------------------------------------------------------------------------------
