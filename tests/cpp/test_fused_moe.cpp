@@ -507,3 +507,47 @@ TEST(FusedMoe, Names) {
 }
 
 }  // namespace
+
+// FusedMoeParams::fp4_weights_packed: the same layer on packed w1 / w2 (pack_fp4_weights) gives the same bits on
+// the CPU (the engine unpacks copies), for every FP4 weight mode; int4 weights refuse the flag before any work.
+TEST(FusedMoe, PackedFp4WeightsGiveTheSameBits) {
+  for (QuantMode mode : {QuantMode::kW4A4, QuantMode::kW4A8Mx, QuantMode::kW4A16}) {
+    Config c;
+    c.mode = mode;
+    c.T = 7;
+    c.deterministic = true;
+    Case plain = make_case(c, 40);
+    Case packed = make_case(c, 40);
+    for (Weights* w : {&packed.w1, &packed.w2}) {
+      const std::vector<uint8_t> bytes = w->packed;
+      const TensorRef in = qmoe::make_tensor(const_cast<uint8_t*>(bytes.data()), DType::kUInt8,
+                                             {static_cast<int64_t>(bytes.size())});
+      qmoe::pack_fp4_weights(in, qmoe::make_tensor(w->packed.data(), DType::kUInt8, {static_cast<int64_t>(bytes.size())}));
+      ASSERT_NE(w->packed, bytes);
+    }
+    plain.poison();
+    packed.poison();
+    qmoe::fused_moe(plain.params());
+    FusedMoeParams p = packed.params();
+    p.fp4_weights_packed = true;
+    qmoe::fused_moe(p);
+    EXPECT_EQ(packed.out, plain.out) << qmoe::quant_mode_name(mode);
+    bool any_finite_nonzero = false;
+    for (int64_t i = 0; i < c.T * c.H; ++i) any_finite_nonzero |= std::isfinite(plain.out_at(i)) && plain.out_at(i) != 0;
+    EXPECT_TRUE(any_finite_nonzero);
+  }
+  Config c;
+  c.mode = QuantMode::kW4A8Int4;
+  Case cs = make_case(c, 41);
+  cs.poison();
+  const std::vector<uint8_t> before = cs.out;
+  FusedMoeParams p = cs.params();
+  p.fp4_weights_packed = true;
+  try {
+    qmoe::fused_moe(p);
+    FAIL() << "expected an error naming fp4_weights_packed";
+  } catch (const qmoe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp4_weights_packed"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cs.out, before);
+}
