@@ -147,7 +147,8 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
                 topk=topk_ids.shape[1], activation=activation, gate_up_layout=gate_up_layout,
                 deterministic=bool(deterministic), x_dtype=str(x.dtype).replace("torch.", ""),
                 out_dtype=str(out.dtype).replace("torch.", ""), device=x.device,
-                run=lambda name: _run_with_tactic(call, name, workspace, x))
+                run=lambda name: _run_with_tactic(call, name, workspace, x),
+                fp4_weights_packed=bool(fp4_weights_packed))
             call.tactic = chosen or ""
         # After tuning: the timed runs keep the memset inline (FlashInfer forces that too, PR #4192).
         call.aux_stream = _aux_stream_handle(aux_stream, x)

@@ -92,14 +92,16 @@ def moe_mm_key(rows: int, n: int, k: int, num_experts: int, topk: int, per_row_s
 
 def fused_moe_key(num_tokens: int, *, quant_mode: str, hidden: int, inter: int, num_experts: int,
                   num_local_experts: int, topk: int, activation: str, gate_up_layout: str,
-                  deterministic: bool, x_dtype: str, out_dtype: str) -> str:
+                  deterministic: bool, x_dtype: str, out_dtype: str, fp4_weights_packed: bool = False) -> str:
     """Key of qmoe.fused_moe: both GEMMs' shapes (H, I, gated or not), the routing fan-out (E, local
-    experts, top_k), the finalize mode and the dtypes of x (bf16 quantized inside vs e4m3) and out."""
+    experts, top_k), the finalize mode, the dtypes of x (bf16 quantized inside vs e4m3) and out, and (only
+    when set, so that plain-weight keys keep their text) packed FP4 weights, whose decode costs differ."""
+    packed = {"weights": "fp4_packed"} if fp4_weights_packed else {}
     return problem_key(num_tokens, quant_mode=quant_mode, hidden=int(hidden), inter=int(inter),
                        experts=int(num_experts), local_experts=int(num_local_experts), topk=int(topk),
                        activation=activation, gate_up_layout=gate_up_layout,
                        finalize="deterministic" if deterministic else "fused", x_dtype=x_dtype,
-                       out_dtype=out_dtype)
+                       out_dtype=out_dtype, **packed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,7 +386,8 @@ def mma_family(tactic: str, quant_mode: str) -> str:
 
 def fused_moe_tactic(num_tokens: int, *, quant_mode: str, hidden: int, inter: int, gated: bool, num_experts: int,
                      num_local_experts: int, topk: int, activation: str, gate_up_layout: str, deterministic: bool,
-                     x_dtype: str, out_dtype: str, run: Callable[[str], None], device=None) -> Optional[str]:
+                     x_dtype: str, out_dtype: str, run: Callable[[str], None], device=None,
+                     fp4_weights_packed: bool = False) -> Optional[str]:
     """fused_moe's tactic from the tuner (None: heuristic). One name serves both GEMMs, so the
     candidates are the tactics valid for both (GEMM1: N = 2I or I, K = H; GEMM2: N = H, K = I), with
     the problem sizes the C++ side uses (rows = T * top_k, experts = local experts). With the
@@ -402,6 +405,6 @@ def fused_moe_tactic(num_tokens: int, *, quant_mode: str, hidden: int, inter: in
     key = fused_moe_key(num_tokens, quant_mode=quant_mode, hidden=hidden, inter=inter, num_experts=num_experts,
                         num_local_experts=num_local_experts, topk=topk, activation=activation,
                         gate_up_layout=gate_up_layout, deterministic=deterministic, x_dtype=x_dtype,
-                        out_dtype=out_dtype)
+                        out_dtype=out_dtype, fp4_weights_packed=fp4_weights_packed)
     with _on_device(device):
         return choose("fused_moe", key, candidates, run)

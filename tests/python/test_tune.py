@@ -113,6 +113,13 @@ def test_every_key_field_changes_the_key(field, other):
     assert tune.fused_moe_key(64, **dict(FUSED, **{field: other})) != tune.fused_moe_key(64, **FUSED)
 
 
+def test_packed_fp4_weights_get_their_own_key_and_plain_keys_keep_their_text():
+    plain = tune.fused_moe_key(64, **dict(FUSED, quant_mode="w4a4"))
+    assert tune.fused_moe_key(64, **dict(FUSED, quant_mode="w4a4"), fp4_weights_packed=False) == plain
+    packed = tune.fused_moe_key(64, **dict(FUSED, quant_mode="w4a4"), fp4_weights_packed=True)
+    assert packed != plain and ",weights=fp4_packed," in packed
+
+
 def test_key_rejects_float_fields():
     with pytest.raises(TypeError, match="'alpha'"):
         tune.problem_key(4, alpha=1.5)
