@@ -46,6 +46,13 @@ void check_basic(const TensorRef& t, const std::string& name, int min_ndim = 1) 
   check_contiguous(t, name);
 }
 
+// `out` has exactly the shape of `like`.
+void check_shape_like(const TensorRef& out, const std::string& name, const TensorRef& like) {
+  bool same = out.ndim == like.ndim;
+  for (int i = 0; same && i < like.ndim; ++i) same = out.shape[i] == like.shape[i];
+  check_arg(same, name, "shape " + shape_string(like), "shape " + shape_string(out));
+}
+
 const std::initializer_list<DType> kRealTypes = {DType::kFloat32, DType::kBFloat16};
 const std::initializer_list<DType> kInt4Types = {DType::kInt4x2, DType::kInt8, DType::kUInt8};
 const std::initializer_list<DType> kFp4Types = {DType::kFloat4E2M1x2, DType::kUInt8};
@@ -580,9 +587,7 @@ void reorder_gate_up(const TensorRef& w, TensorRef out, bool to_flashinfer, cuda
             std::to_string(two_i) + " rows");
   check_basic(out, "out", 2);
   check_dtype(out, "out", w.dtype);
-  check_arg(out.ndim == w.ndim, "out", "shape " + shape_string(w), "shape " + shape_string(out));
-  for (int i = 0; i < w.ndim; ++i)
-    check_arg(out.shape[i] == w.shape[i], "out", "shape " + shape_string(w), "shape " + shape_string(out));
+  check_shape_like(out, "out", w);
   check_same_device(w, "w", out, "out");
   check_no_alias(out, "out", w, "w");
   if (w.is_cuda()) {
@@ -625,14 +630,12 @@ namespace {
 void convert_fp4_words(const TensorRef& w, TensorRef out, bool pack, cudaStream_t stream) {
   const std::string in = pack ? "w" : "packed";
   check_basic(w, in, 1);
-  check_dtype_in(w, in, {DType::kUInt8, DType::kFloat4E2M1x2});
+  check_dtype_in(w, in, kFp4Types);
   check_arg(w.size(-1) % 4 == 0, in, "rows of whole 32-bit words (last axis K/2 bytes with K % 8 == 0)",
             "shape " + shape_string(w));
   check_basic(out, "out", 1);
   check_dtype(out, "out", w.dtype);
-  check_arg(out.ndim == w.ndim, "out", "shape " + shape_string(w), "shape " + shape_string(out));
-  for (int i = 0; i < w.ndim; ++i)
-    check_arg(out.shape[i] == w.shape[i], "out", "shape " + shape_string(w), "shape " + shape_string(out));
+  check_shape_like(out, "out", w);
   check_same_device(w, in, out, "out");
   check_no_alias(out, "out", w, in);
   if (w.is_cuda()) {
