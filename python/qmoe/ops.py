@@ -91,8 +91,9 @@ def fused_moe(x, topk_ids, topk_weights, w1, w1_scale, w2, w2_scale, *, quant_mo
     memset, forked from and joined back into the current stream, so it overlaps the earlier kernels
     (FlashInfer's aux_stream); None: the memset runs on the current stream.
     `fp4_weights_packed` (FP4 weight modes w4a4 / w4a8 / w4a16; a qmoe extension): w1 and w2 are in qmoe's
-    packed word order (qmoe.quant.pack_fp4_weights, a one-time weight preparation): same results, faster
-    GPU GEMMs (their FP4 decode takes fewer instructions).
+    packed word order (qmoe.quant.pack_fp4_weights, a one-time weight preparation): the same exact products
+    (bit-identical on the CPU; on the GPU the fp32 summation order differs) and faster GPU GEMMs (their FP4
+    decode takes fewer instructions).
     """
     if quant_mode not in QUANT_MODES:
         raise ValueError(f"qmoe: argument 'quant_mode': expected one of {QUANT_MODES}, got {quant_mode!r}")

@@ -510,9 +510,9 @@ def _fp4_words(w, pack: bool):
 
 def pack_fp4_weights(w):
     """FP4 weights (fp4x2 bytes [..., K/2], K % 8 == 0; a numpy uint8 array, or a torch CUDA tensor of a 1-byte
-    dtype such as uint8 or float4_e2m1fn_x2) -> the same bytes with every 32-bit word's bits in qmoe's packed order (docs/design.md
-    3.4), for fused_moe(..., fp4_weights_packed=True): a one-time weight preparation that makes the GPU
-    GEMMs' FP4 decode cheaper. Scales are not touched."""
+    dtype such as uint8 or float4_e2m1fn_x2) -> the same bytes with every 32-bit word's bits in qmoe's packed
+    order (docs/design.md 3.4), for fused_moe(..., fp4_weights_packed=True): a one-time weight preparation
+    that makes the GPU GEMMs' FP4 decode cheaper. Scales are not touched."""
     return _fp4_words(w, True)
 
 
