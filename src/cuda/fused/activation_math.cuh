@@ -14,6 +14,11 @@
 // g and u must be the fp32 values GEMM1 stores into h (a_scale(r) * acc rounded once): the fused
 // epilogue forms them with __fmul_rn so that the compiler cannot contract the product into a later
 // add (the separate kernel reads them from memory, where no contraction is possible either).
+// The bf16 intermediate of the FP4 / bf16-activation modes (activation_requant_bf16, and GEMM1's fused
+// epilogue in the bf16 x 4-bit GEMM: gemm/bf16_act_requant.h) quantizes blocks of v with these, from the
+// block's amax (the max of abs_bits over its values: order-free, NaN propagates):
+//   NVFP4 (16)  sf = nvfp4_block_sf(gs, amax),  md = nvfp4_md(v, gs, UniformDivisor(sf), sf)
+//   MXFP8 (32)  s  = mxfp8_block_s(amax),       md = mxfp8_md(v, 1 / s, s)
 // Column of h (= row of W13) of a feature i: kGateUp gate = i, up = I + i; kUpGateInterleaved64
 // up = 128 * (i / 64) + i % 64, gate = up + 64 (up_column).
 #pragma once
@@ -22,6 +27,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/exact_rounding.cuh"  // UniformDivisor, e2m1_round
 #include "cuda/fused/fused_moe_common.cuh"
 #include "cuda/fused/fused_moe_kernels.h"  // ActivationArgs
 #include "reference/activations.h"
@@ -55,6 +61,24 @@ __device__ __forceinline__ float requant_value(float v, float a2) { return __fdi
 // GEMM2's per-row scale of a row of local expert e.
 __device__ __forceinline__ float s2_value(float a2, const float* w2_alpha, int32_t e) {
   return a2 * (w2_alpha != nullptr ? w2_alpha[e] : 1.0f);
+}
+
+// NVFP4 block scale of the reference's nvfp4_block: e4m3(gs * amax / 6) as fp32.
+__device__ __forceinline__ float nvfp4_block_sf(float gs, float amax) {
+  return e4m3_to_float(e4m3_of(gs * amax / 6.0f));
+}
+// md = e2m1(v * gs / sf) * sf (0 when sf == 0); x / sf by one reciprocal and FMA corrections (bit-identical
+// to the IEEE division, exact_rounding.cuh).
+__device__ __forceinline__ float nvfp4_md(float v, float gs, const UniformDivisor& by_sf, float sf) {
+  const float q = sf == 0.0f ? 0.0f : e2m1_round(by_sf.divide(__fmul_rn(v, gs)));
+  return q * sf;
+}
+// MXFP8 block scale of the reference's mxfp8_block: the power of two ue8m0_ceil(amax / 448) (or NaN).
+__device__ __forceinline__ float mxfp8_block_s(float amax) { return ue8m0_to_float(ue8m0_ceil(amax / 448.0f)); }
+// md = e4m3(v / s) * s; inv = 1 / s (__frcp_rn: exact for a power of two, 2^-127 a subnormal), so v * inv
+// is v / s rounded once.
+__device__ __forceinline__ float mxfp8_md(float v, float inv, float s) {
+  return e4m3_to_float(e4m3_of(__fmul_rn(v, inv))) * s;
 }
 
 }  // namespace qmoe::cuda::fused

@@ -130,6 +130,11 @@ RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& bu
 void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* output_permutation, int64_t hidden,
                  void* slot_rows, cudaStream_t stream);
 
+// QMOE_FUSED_EPILOGUE=0 forces the separate activation kernels in both pipelines (A/B timing, tests
+// comparing both paths); any other value or none allows GEMM1's fused activation epilogue. Read on every
+// call (a getenv: cheap, and legal during stream capture), so one process can switch between calls.
+bool fused_epilogue_allowed();
+
 // The fused finalize as GEMM2's epilogue (DESIGN.md 5.2, use_fused_finalize): for fused_moe
 // (slot_rows == nullptr) with p.deterministic == false, the RowScatterAdd that makes GEMM2 add
 // bf16(rsf * w[s] * v) into p.output[s / topk] (row_slot = input_permutation); otherwise (the

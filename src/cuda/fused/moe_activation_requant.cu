@@ -208,25 +208,20 @@ __device__ __forceinline__ float group_amax(const float (&v)[kVec]) {
   return __uint_as_float(m);
 }
 
-// The reference's nvfp4_block over the 16-feature block of the thread: md = e2m1(v * gs / sf) * sf.
-// x / sf by one reciprocal and FMA corrections (bit-identical to the IEEE division, exact_rounding.cuh).
+// The reference's nvfp4_block over the 16-feature block of the thread (activation_math.cuh).
 __device__ __forceinline__ void nvfp4_dequant(float (&v)[kVec], float gs) {
-  const float sf = e4m3_to_float(e4m3_of(gs * group_amax<2>(v) / 6.0f));
+  const float sf = nvfp4_block_sf(gs, group_amax<2>(v));
   const UniformDivisor by_sf(sf);
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    const float q = sf == 0.0f ? 0.0f : e2m1_round(by_sf.divide(__fmul_rn(v[j], gs)));
-    v[j] = q * sf;
-  }
+  for (int j = 0; j < kVec; ++j) v[j] = nvfp4_md(v[j], gs, by_sf, sf);
 }
 
-// The reference's mxfp8_block over the 32-feature block of the thread: md = e4m3(v / s) * s.
+// The reference's mxfp8_block over the 32-feature block of the thread (activation_math.cuh).
 __device__ __forceinline__ void mxfp8_dequant(float (&v)[kVec]) {
-  const float s = ue8m0_to_float(ue8m0_ceil(group_amax<4>(v) / 448.0f));
-  // s is a power of two (or NaN): 1 / s is exact (2^-127 a subnormal), so v * (1 / s) is v / s rounded once.
+  const float s = mxfp8_block_s(group_amax<4>(v));
   const float inv = __frcp_rn(s);
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) v[j] = e4m3_to_float(e4m3_of(__fmul_rn(v[j], inv))) * s;
+  for (int j = 0; j < kVec; ++j) v[j] = mxfp8_md(v[j], inv, s);
 }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {

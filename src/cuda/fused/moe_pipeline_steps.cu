@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "cuda/fused/fused_moe_kernels.h"
@@ -47,6 +48,11 @@ void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* outp
   }
   finalize(y, output_permutation, p.topk_weights.ptr<const float>(), tokens, static_cast<int>(topk), hidden,
            p.routed_scaling_factor, p.deterministic, p.output.dtype, p.output.data, stream);
+}
+
+bool fused_epilogue_allowed() {
+  const char* v = std::getenv("QMOE_FUSED_EPILOGUE");
+  return v == nullptr || !(v[0] == '0' && v[1] == '\0');
 }
 
 RowScatterAdd fused_finalize_scatter(const FusedMoeParams& p, const int32_t* input_permutation,

@@ -13,6 +13,8 @@
 //                     s1[r] = w1_alpha[e] * per_token_scale[t] (each optional)
 //   4. GEMM1          h[r] = s1[r] * W13[e] . A1[r]  (fp32 output)                gemm/sm90_grouped_gemm_bf16_w4
 //   5. act + requant  A2[r] = bf16(md(act(h[r]))), s2[r] = w2_alpha[e] (* row_scale) moe_activation_requant.cu
+//      (4-5 as one kernel, GEMM1's fused epilogue, with a 128-row decode tactic and the sizes and modes of
+//      gemm/bf16_act_requant.h; QMOE_FUSED_EPILOGUE=0 keeps them apart)
 //   6. GEMM2          y[r] = bf16(s2[r] * W2[e] . A2[r])                          gemm/sm90_grouped_gemm_bf16_w4
 //   7. finalize       out[t] = combine of w[t, j] * y[row(t, j)] in slot order    moe_finalize.cu
 //                     (or, for moe_expert_rows, slot_rows[s] = y[row(s)])
@@ -39,6 +41,7 @@
 #include "cuda/common/pdl.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/fused/fused_moe_workspace.h"
+#include "cuda/gemm/bf16_act_requant.h"
 #include "cuda/gemm/sm90_grouped_gemm_bf16_w4.h"
 #include "cuda/launch.h"
 #include "qmoe/error.h"
@@ -113,11 +116,11 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
                            optional_f32(p.per_token_scale), optional_f32(p.w1_alpha), a1, s1, stream);
 
   // One grouped GEMM of the pipeline: d [slots, n] = a [slots, k] x w^T, per-row scale s; the expert
-  // blocks come from the routing buffers on the device.
+  // blocks come from the routing buffers on the device. ep: GEMM1's fused activation epilogue instead of d.
   const W4Format format = weight_format(mode);
   auto grouped_gemm = [&](void* d, bool d_fp32, int64_t n, const uint16_t* a, int64_t k, const TensorRef& w,
                           const TensorRef& w_scale, const float* s, const int32_t* sizes, const Tactic& tactic,
-                          const RowScatterAdd& sc) {
+                          const RowScatterAdd& sc, const Bf16ActEpilogue* ep = nullptr) {
     Bf16W4GemmArgs g;
     g.a = a;
     g.b = w.ptr<const uint8_t>();
@@ -134,18 +137,35 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
     g.k = static_cast<int>(k);
     g.max_rows = dims.slots;
     g.scatter = sc;
-    bf16_w4_moe_mm(g, tactic, stream);
+    if (ep != nullptr)
+      bf16_w4_moe_mm_act(g, tactic, stream, *ep);
+    else
+      bf16_w4_moe_mm(g, tactic, stream);
   };
 
-  // 4. GEMM1 into fp32 h.
-  grouped_gemm(h, true, dims.rows1, a1, dims.hidden, p.w1, p.w1_scale, s1, rb.sizes1, gemm1_tactic, RowScatterAdd{});
-
-  // 5. Activation and the bf16 intermediate.
   const fused::ActivationArgs act{p.activation,  p.gate_up_layout, p.swiglu_alpha,
                                   p.swiglu_beta, p.swiglu_limit,   p.situ_beta,
                                   p.situ_linear_beta.has_value(),  p.situ_linear_beta.value_or(1.0f)};
-  fused::activation_requant_bf16(routing, h, dims.rows1, dims.inter, act, requant_of(p),
-                                 optional_f32(p.fc2_input_scale), optional_f32(p.w2_alpha), a2, s2, stream);
+  const fused::Bf16Requant requant = requant_of(p);
+  if (fused::fused_epilogue_allowed() && bf16_act_supported(gemm1_tactic, dims.rows1, dims.inter, act, requant)) {
+    // 4-5. GEMM1 with the activation and the bf16 intermediate as its epilogue: A2 and s2, no h.
+    Bf16ActEpilogue ep;
+    ep.a2 = a2;
+    ep.s2 = s2;
+    ep.fc2_input_scale = optional_f32(p.fc2_input_scale);
+    ep.w2_alpha = optional_f32(p.w2_alpha);
+    ep.inter = static_cast<int>(dims.inter);
+    ep.requant = requant;
+    ep.act = act;
+    grouped_gemm(h, true, dims.rows1, a1, dims.hidden, p.w1, p.w1_scale, s1, rb.sizes1, gemm1_tactic, RowScatterAdd{},
+                 &ep);
+  } else {
+    // 4. GEMM1 into fp32 h.
+    grouped_gemm(h, true, dims.rows1, a1, dims.hidden, p.w1, p.w1_scale, s1, rb.sizes1, gemm1_tactic, RowScatterAdd{});
+    // 5. Activation and the bf16 intermediate.
+    fused::activation_requant_bf16(routing, h, dims.rows1, dims.inter, act, requant, optional_f32(p.fc2_input_scale),
+                                   optional_f32(p.w2_alpha), a2, s2, stream);
+  }
 
   // 6. GEMM2 into bf16 rows (over a1's bytes: GEMM1 has run), or (fused finalize) added into the
   // zeroed output.

@@ -51,14 +51,6 @@ TensorRef device_tensor(void* data, DType dtype, std::initializer_list<int64_t> 
   return make_tensor(data, dtype, shape, Device::kCUDA, device);
 }
 
-// QMOE_FUSED_EPILOGUE=0 forces the separate activation kernels (A/B timing, tests comparing both
-// paths); any other value or none allows the fused GEMM1 epilogue. Read on every call (a getenv: cheap,
-// and legal during stream capture), so one process can switch between calls.
-bool fused_epilogue_allowed() {
-  const char* v = std::getenv("QMOE_FUSED_EPILOGUE");
-  return v == nullptr || !(v[0] == '0' && v[1] == '\0');
-}
-
 // Whether the two GEMMs get the PDL attribute (the glue kernels keep it whenever enable_pdl is on).
 // With it the layer was 1-4% faster up to T = 4 but up to 7% (DeepSeek-V3, T = 16) and 14% (Mixtral,
 // T = 64) slower above (bench/results/2026-11-30_s10a_nvidia_h200_split_k_pdl.md): a GEMM launched as a
@@ -139,7 +131,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   const fused::ActivationArgs act{p.activation,  p.gate_up_layout, p.swiglu_alpha,
                                   p.swiglu_beta, p.swiglu_limit,   p.situ_beta,
                                   p.situ_linear_beta.has_value(),  p.situ_linear_beta.value_or(1.0f)};
-  const bool fuse_activation = !dynamic_a2 && fused_epilogue_allowed() &&
+  const bool fuse_activation = !dynamic_a2 && fused::fused_epilogue_allowed() &&
                                act_requant_supported(gemm1_tactic, dims.rows1, dims.inter, p.activation) &&
                                act_requant_pays(gemm1_tactic, dims.slots, dims.local, dims.rows1, device);
   if (fuse_activation) {

@@ -39,6 +39,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/gemm/bf16_act_epilogue.cuh"
+#include "cuda/gemm/bf16_act_requant.h"
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/gemm/k_warps.cuh"
 #include "cuda/gemm/sm90_grouped_gemm_bf16_w4.h"
@@ -64,7 +66,11 @@ struct Bf16W4Params {
   int scale_blocks;       // FP4: K / block (blocks past it read as scale 0)
   int fp4_packed;         // FP4: B words in qmoe's packed order (core/fp4_weight_pack.h)
   RowScatterAdd scatter;  // out set: the fused finalize instead of d (bf16 kernels only)
+  Bf16ActEpilogue act;    // OutT = ActBf16: GEMM1's fused activation epilogue (bf16_act_requant.h)
 };
+
+// What a launch writes: bf16 or fp32 D, or (kAct) GEMM1's fused activation epilogue (bf16_act_requant.h).
+enum class OutKind { kBf16, kFp32, kAct };
 
 using w4a8::cp_async_16;
 using w4a8::cp_async_commit;
@@ -190,6 +196,14 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   constexpr int kRowBytesB = Cfg::kRowBytesB;
   constexpr int kRowBytesA = Cfg::kRowBytesA;
   constexpr bool kInt4 = F == W4Format::kInt4G128;
+  // The fused activation epilogue (bf16_act_epilogue.cuh) wants a warp's two fragments to be the up and
+  // gate rows of the same features: fragment mf of warp w holds tile rows mf * TILE_M / 2 + 16 w + [0, 16)
+  // instead of (w * MF + mf) * 16 + [0, 16). Which warp sums which rows changes no bit.
+  constexpr bool kAct = std::is_same<OutT, ActBf16>::value;
+  static_assert(!kAct || (MF == 2 && WARPS_M * 32 == kTileM && WARPS_N == 1 && WARPS_K == 1),
+                "the fused epilogue's tiles: 4 warps of two 16-row fragments, one warp along the tokens");
+  auto frag_row = [](int wm, int mf) { return kAct ? mf * (kTileM / 2) + wm * 16 : (wm * MF + mf) * 16; };
+  __shared__ float act_xchg[kAct ? 2 * WARPS_M * kTileN : 1];
 
   extern __shared__ __align__(128) uint8_t smem[];
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem);
@@ -366,7 +380,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       uint4 w[MF][2];
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) {
-        const int r = (warp_m * MF + mf) * 16 + gid;
+        const int r = frag_row(warp_m, mf) + gid;
         w[mf][0] = *reinterpret_cast<const uint4*>(sb + r * kRowBytesB + (w4a8::swizzle_b<GPS>(gg * 4 + tig, r) << 4));
         w[mf][1] = *reinterpret_cast<const uint4*>(sb + (r + 8) * kRowBytesB +
                                                    (w4a8::swizzle_b<GPS>(gg * 4 + tig, r + 8) << 4));
@@ -380,7 +394,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int r = row_base + (warp_m * MF + mf) * 16 + gid + 8 * h;  // row of the scale tile
+            const int r = row_base + frag_row(warp_m, mf) + gid + 8 * h;  // row of the scale tile
             const int row_off = (r % 32) * 16 + (r / 32) * 4;
             if constexpr (F == W4Format::kNvfp4) {
               const int blk = gg * 8 + 2 * tig;  // stage-local block of words 0, 1 (+1 for words 2, 3)
@@ -501,7 +515,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         const __nv_bfloat16* sbf = reinterpret_cast<const __nv_bfloat16*>(ss);
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
-          const int r = (warp_m * MF + mf) * 16 + gid;
+          const int r = frag_row(warp_m, mf) + gid;
           const int i0 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + r * 4 + (g & 3) : gg * kTileM + r;
           const int i1 = p.scales_packed4 ? (gg / 4) * kTileM * 4 + (r + 8) * 4 + (g & 3) : gg * kTileM + r + 8;
           const float scale0 = __bfloat162float(sbf[i0]);
@@ -526,13 +540,17 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       // ---- Epilogue: D[row, n] = out(s[row] * (post * acc)).
       constexpr float kPost = F == W4Format::kNvfp4 ? 256.0f : 1.0f;  // undoes the 2^-8 of the NVFP4 decode
       const GroupedTile tile = kLocateEarly ? finish_tile<kTileM, kTileN>(step_located) : tiles[tile_index];
-      w4a8::store_fragments<OutT>(acc, tile, p, warp_m, warp_n, gid, tig, kPost,
-                                  [&](int row, float lo, float hi, float& out_lo, float& out_hi) {
-                                    const bool scaled = p.row_scales != nullptr;
-                                    const float rs = scaled ? p.row_scales[row] : 1.0f;
-                                    out_lo = scaled ? rs * lo : lo;
-                                    out_hi = scaled ? rs * hi : hi;
-                                  });
+      if constexpr (kAct) {
+        act_bf16_epilogue<WARPS_M, MF, NF, kTileM, kTileN>(acc, tile, p, p.act, warp_m, gid, tig, kPost, act_xchg);
+      } else {
+        w4a8::store_fragments<OutT>(acc, tile, p, warp_m, warp_n, gid, tig, kPost,
+                                    [&](int row, float lo, float hi, float& out_lo, float& out_hi) {
+                                      const bool scaled = p.row_scales != nullptr;
+                                      const float rs = scaled ? p.row_scales[row] : 1.0f;
+                                      out_lo = scaled ? rs * lo : lo;
+                                      out_hi = scaled ? rs * hi : hi;
+                                    });
+      }
     }
   }
   cp_async_wait<0>();

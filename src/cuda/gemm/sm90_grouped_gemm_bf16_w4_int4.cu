@@ -2,5 +2,5 @@
 #include "cuda/gemm/sm90_grouped_gemm_bf16_w4_launch.cuh"
 
 namespace qmoe::cuda::bf16w4 {
-template void launch_format<W4Format::kInt4G128>(const Bf16W4Params&, const Tactic&, bool, int64_t, int, cudaStream_t);
+template void launch_format<W4Format::kInt4G128>(const Bf16W4Params&, const Tactic&, OutKind, int64_t, int, cudaStream_t);
 }  // namespace qmoe::cuda::bf16w4

@@ -32,14 +32,20 @@ void launch_typed(const Bf16W4Params& params, int64_t rows, int device, cudaStre
 }
 
 // WARPS_K (warps splitting the K groups of a stage) is 1 in every shipped tactic; the A/B runs of
-// scripts/build_gemm_variants.sh try more (bench/ab/bf16_decode_tiles.txt).
-template <W4Format F, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS, int WARPS_K = 1>
-void launch_out(const Bf16W4Params& params, bool fp32_out, int64_t rows, int device, cudaStream_t stream) {
-  if (fp32_out) {
+// scripts/build_gemm_variants.sh try more (bench/ab/bf16_decode_tiles.txt). WITH_ACT: the configuration
+// also has the fused-epilogue instantiation (the tactics bf16_act_supported names).
+template <W4Format F, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int MIN_BLOCKS, int WARPS_K = 1,
+          bool WITH_ACT = false>
+void launch_out(const Bf16W4Params& params, OutKind out, int64_t rows, int device, cudaStream_t stream) {
+  if (out == OutKind::kFp32) {
     launch_typed<F, float, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS, WARPS_K>(params, rows, device, stream);
-  } else {
+  } else if (out == OutKind::kBf16) {
     launch_typed<F, __nv_bfloat16, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS, WARPS_K>(params, rows, device,
                                                                                              stream);
+  } else if constexpr (WITH_ACT) {
+    launch_typed<F, ActBf16, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, MIN_BLOCKS, WARPS_K>(params, rows, device, stream);
+  } else {
+    throw Error("tactic", "a tactic with the fused activation epilogue (bf16_act_supported)", "another tactic");
   }
 }
 
@@ -56,7 +62,7 @@ void launch_out(const Bf16W4Params& params, bool fp32_out, int64_t rows, int dev
 //                   mma.sync 64-token tile that n64 named until session 16 was 1.2-1.4x slower at 32-48 rows
 //                   per expert, bench/results/2026-12-01_s16d_*.)
 template <W4Format F>
-void launch_format(const Bf16W4Params& params, const Tactic& tactic, bool fp32_out, int64_t rows, int device,
+void launch_format(const Bf16W4Params& params, const Tactic& tactic, OutKind out, int64_t rows, int device,
                    cudaStream_t stream) {
   using Family = Tactic::Family;
   auto is = [&](Family f, int m, int n, int k) {
@@ -65,20 +71,22 @@ void launch_format(const Bf16W4Params& params, const Tactic& tactic, bool fp32_o
   };
   if (is(Family::kDecode, 128, 8, 256)) {
     if (n8_tiles_fill_three_per_sm(rows, params.num_experts, params.n, device))
-      launch_out<F, 4, 1, 2, 1, 2, 3, 3>(params, fp32_out, rows, device, stream);
+      launch_out<F, 4, 1, 2, 1, 2, 3, 3, 1, true>(params, out, rows, device, stream);
     else
-      launch_out<F, 4, 1, 2, 1, 2, 4, 2>(params, fp32_out, rows, device, stream);
+      launch_out<F, 4, 1, 2, 1, 2, 4, 2, 1, true>(params, out, rows, device, stream);
   } else if (is(Family::kDecode, 64, 8, 256)) {
-    launch_out<F, 4, 1, 1, 1, 2, 6, 2>(params, fp32_out, rows, device, stream);
+    launch_out<F, 4, 1, 1, 1, 2, 6, 2>(params, out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 16, 256)) {
-    launch_out<F, 4, 1, 2, 2, 2, 4, 2>(params, fp32_out, rows, device, stream);
+    launch_out<F, 4, 1, 2, 2, 2, 4, 2, 1, true>(params, out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 24, 256)) {
-    launch_out<F, 4, 1, 2, 3, 2, 3, 2>(params, fp32_out, rows, device, stream);
+    launch_out<F, 4, 1, 2, 3, 2, 3, 2>(params, out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 32, 256)) {
-    launch_out<F, 4, 1, 2, 4, 2, 3, 2>(params, fp32_out, rows, device, stream);  // 3 stages: two CTAs fit
+    launch_out<F, 4, 1, 2, 4, 2, 3, 2>(params, out, rows, device, stream);  // 3 stages: two CTAs fit
   } else if (is(Family::kPrefill, 128, 64, 128) || is(Family::kPrefill, 128, 128, 128) ||
              is(Family::kPrefill, 128, 160, 128)) {
-    launch_wgmma<F>(params, tactic.tile_n, fp32_out, rows, stream);
+    if (out == OutKind::kAct)
+      throw Error("tactic", "a tactic with the fused activation epilogue (bf16_act_supported)", tactic.name());
+    launch_wgmma<F>(params, tactic.tile_n, out == OutKind::kFp32, rows, stream);
   } else {
     throw Error("tactic", "a tactic of the bf16 x 4-bit GEMM (valid_tactics with bf16 activations)", tactic.name());
   }

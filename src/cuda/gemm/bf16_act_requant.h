@@ -1,0 +1,54 @@
+// GEMM1 of the bf16 x 4-bit fused MoE (w4a16, w4a16_int4, w4a4, w4a8) with the activation and the bf16
+// intermediate as its epilogue (docs/design.md 6.3): instead of h [R, 2I] fp32 the GEMM writes
+//
+//   A2[r, i] = bf16(md(act(h[r, gate(i)], h[r, up(i)])))   (ReLU^2: md(relu2(h[r, i])))
+//   s2[r]    = w2_alpha[e]  (1 when absent; e = the row's local expert)
+//
+// with h[r, n] = s1(r) * acc[r, n] exactly as the plain GEMM stores it and md the requantization of
+// activation_requant_bf16 (kBf16: v; kNvfp4: per 16 features with gs = fc2_input_scale[0]; kMxfp8: per 32),
+// through the functions of cuda/fused/activation_math.cuh, so A2 and s2 are bit for bit those of the
+// separate path (GEMM1 into h, then activation_requant_bf16). h is never written.
+//
+// Where it runs: the 128-row mma.sync decode tiles (decode_m128_n8_k256 in both pipeline shapes,
+// decode_m128_n16_k256). Their fused form maps each warp's two 16-row fragments to the up rows and the
+// gate rows of the same 16 features (gated) or to two 16-feature blocks (ReLU^2), so the activation and an
+// NVFP4 block's amax stay in registers (shuffles inside the warp); an MXFP8 block (32 features) spans two
+// warps, whose amaxes meet in shared memory behind one barrier. Gated activations need the
+// up_gate_interleaved64 layout (a 128-row tile is then the up and gate rows of 64 features) and I % 64 == 0;
+// ReLU^2 needs n == I. Not the per-token NVFP4 mode (its amax spans the whole row).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/fused/fused_moe_kernels.h"  // ActivationArgs, Bf16Requant
+#include "cuda/gemm/sm90_grouped_gemm_bf16_w4.h"
+#include "qmoe/tactics.h"
+
+namespace qmoe::cuda {
+
+// Output tag of the bf16 x 4-bit kernel's fused activation epilogue (its OutT template argument).
+struct ActBf16 {};
+
+struct Bf16ActEpilogue {
+  uint16_t* a2 = nullptr;                    // bf16 [R, I] (row stride I)
+  float* s2 = nullptr;                       // [R]
+  const float* fc2_input_scale = nullptr;    // [1] device: gs (kNvfp4)
+  const float* w2_alpha = nullptr;           // [E] or nullptr (1)
+  int inter = 0;                             // I
+  fused::Bf16Requant requant = fused::Bf16Requant::kBf16;
+  fused::ActivationArgs act{};
+};
+
+// True when GEMM1 (rows n, I = inter) can take the fused epilogue with this tactic, activation, layout
+// and requantization (see the top comment).
+bool bf16_act_supported(const Tactic& tactic, int64_t n, int64_t inter, const fused::ActivationArgs& act,
+                        fused::Bf16Requant requant);
+
+// GEMM1 with the fused epilogue (args.d is not written; args.d_fp32 and args.scatter are ignored).
+// Requires bf16_act_supported(tactic, args.n, ep.inter, ep.act, ep.requant).
+void bf16_w4_moe_mm_act(const Bf16W4GemmArgs& args, const Tactic& tactic, cudaStream_t stream,
+                        const Bf16ActEpilogue& ep);
+
+}  // namespace qmoe::cuda

@@ -1,0 +1,282 @@
+"""GPU tests of GEMM1's fused activation epilogue in the bf16 x 4-bit pipeline (w4a16, w4a16_int4, w4a4,
+w4a8; src/cuda/gemm/bf16_act_requant.h): with a 128-row mma.sync decode tactic for GEMM1 (n8 or n16), a
+gated activation in the up_gate_interleaved64 layout (or ReLU^2) and any requantization but w4a4's
+per-token one, GEMM1's epilogue writes the bf16 intermediate A2 and s2 itself and never writes the fp32 h;
+QMOE_FUSED_EPILOGUE=0 (read on every call) forces the separate kernels.
+
+Every case runs the same device data through both paths with a caller-owned workspace poisoned with
+0xAA bytes and a NaN-poisoned output, then checks:
+  - A2 (bf16) and s2 (read from the workspace at the pipeline's offsets) are bit for bit equal between
+    the two paths over the valid rows; s2 equals w2_alpha[e] (1 without it);
+  - the deterministic output is bit for bit equal between the paths; both paths' outputs (both
+    finalizes) are within qmoe.testing's tolerance of the C++ CPU engine;
+  - which path ran: the fused path leaves h's bytes poisoned, the separate path writes them.
+
+Coverage: every mode x every activation (swiglu, gpt-oss swiglu_oai, geglu_tanh, relu2, situ) x ragged
+routing (T = 1, top-k 8 at T = 1, an empty expert with -1 / out-of-range ids, all tokens on one expert, a
+hot expert with several token tiles, EP with local experts) x the n8 / n16 tactics forced and the
+heuristic's; packed FP4 weights; I = 2880 (gpt-oss) and a ReLU^2 I whose last 128-row tile is partial;
+w1 / w2 alphas and PDL; the fallbacks ([gate; up] layout, w4a4 per-token scales, other tactics) write h
+and match the CPU engine; the switch is read per call.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+from gpu_common import ACTIVATION_CASES, ACTIVATION_IDS, GPT_OSS, local_slots, on_device, require_hopper, run_cpu, to_np  # noqa: E402
+
+torch = require_hopper()
+
+import qmoe  # noqa: E402
+from qmoe import quant  # noqa: E402
+from qmoe import testing  # noqa: E402
+
+MODES = ("w4a16", "w4a16_int4", "w4a4", "w4a8")
+ENV = "QMOE_FUSED_EPILOGUE"
+POISON = 0xAA
+FUSED_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256")
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fused_epilogue(enabled: bool):
+    """QMOE_FUSED_EPILOGUE for the calls inside (the pipeline reads it on every call)."""
+    old = os.environ.get(ENV)
+    os.environ[ENV] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = old
+
+
+def workspace_layout(slots, local, hidden, inter, rows1):
+    """fused_moe_bf16_w4_workspace_layout (src/cuda/fused/fused_moe_workspace.h): byte offsets."""
+    at, off = 0, {}
+
+    def take(name, nbytes):
+        nonlocal at
+        off[name] = at
+        at += (nbytes + 255) // 256 * 256
+
+    take("local_ids", 4 * slots)
+    take("expert_offsets", 4 * (local + 1))
+    take("problem_sizes1", 12 * local)
+    take("problem_sizes2", 12 * local)
+    take("input_permutation", 4 * slots)
+    take("output_permutation", 4 * slots)
+    take("a1", 2 * slots * hidden)
+    take("s1", 4 * slots)
+    take("h", 4 * slots * rows1)
+    take("a2", 2 * slots * inter)
+    take("s2", 4 * slots)
+    off["total"] = at
+    return off
+
+
+def dims(case):
+    tokens, top_k = case["topk_ids"].shape
+    hidden, inter = case["w2"].shape[1], 2 * case["w2"].shape[2]
+    local = case["num_local_experts"] if case["num_local_experts"] is not None else case["num_experts"]
+    rows1 = inter if case["activation"] == "relu2" else 2 * inter
+    return tokens * top_k, local, hidden, inter, rows1
+
+
+def expected_offsets(case):
+    _, local, *_ = dims(case)
+    keep = local_slots(case)
+    ids = case["topk_ids"].astype(np.int64)[keep] - case["local_expert_offset"]
+    counts = np.bincount(ids, minlength=local)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+
+
+def expected_s2(case, offsets):
+    """s2 of the valid rows: w2_alpha[e] (1 without it); w4a4 per-token mode excluded (never fused)."""
+    _, local, *_ = dims(case)
+    alpha = case.get("w2_alpha")
+    alpha = np.ones(local, np.float32) if alpha is None else alpha.astype(np.float32)
+    return np.repeat(alpha, np.diff(offsets)).astype(np.float32)
+
+
+def run(case, dev, fused, deterministic, **options):
+    """One GPU call through the chosen path into a poisoned workspace and output."""
+    slots, local, hidden, inter, rows1 = dims(case)
+    lay = workspace_layout(slots, local, hidden, inter, rows1)
+    ws = torch.full((lay["total"],), POISON, dtype=torch.uint8, device="cuda")
+    out = torch.full((case["topk_ids"].shape[0], hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with fused_epilogue(fused):
+        got = qmoe.fused_moe(**dev, out=out, workspace=ws, deterministic=deterministic, **options)
+    torch.cuda.synchronize()
+    assert got is out
+
+    def region(name, nbytes):
+        return ws[lay[name]:lay[name] + nbytes]
+
+    offsets = region("expert_offsets", 4 * (local + 1)).view(torch.int32).clone()
+    rows = int(offsets[-1])
+    return dict(out=out, offsets=offsets, rows=rows,
+                h=region("h", 4 * rows * rows1).clone(),
+                a2=region("a2", 2 * rows * inter).view(torch.int16).clone().view(rows, inter),
+                s2=region("s2", 4 * rows).view(torch.float32).clone())
+
+
+def bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def compare_paths(case, tactic=None, expect_fused=True, cpu=None, **options):
+    """Both paths on the same device data (module docstring). expect_fused: whether GEMM1 takes the fused
+    epilogue when allowed (None: not checked). cpu: the CPU engine's outputs {deterministic: array}."""
+    packed = options.get("fp4_weights_packed", False)
+    dev = on_device(dict(case, w1=quant.pack_fp4_weights(case["w1"]), w2=quant.pack_fp4_weights(case["w2"]))
+                    if packed else case)
+    opts = dict(options)
+    if tactic is not None:
+        opts["tactic"] = tactic
+    cpu_opts = {k: v for k, v in options.items() if k != "fp4_weights_packed"}
+    what = f"{case['quant_mode']} {case['activation']} {case['gate_up_layout']} tactic={tactic}"
+    want_offsets = expected_offsets(case)
+    cpu = cpu if cpu is not None else {}
+    tol_key = "w4a4_per_token" if case.get("per_token_scale") is not None else case["quant_mode"]
+    for deterministic in (True, False):
+        fused = run(case, dev, True, deterministic, **opts)
+        sep = run(case, dev, False, deterministic, **opts)
+        for r in (fused, sep):
+            assert np.array_equal(r["offsets"].cpu().numpy(), want_offsets), f"{what}: workspace layout"
+        rows = fused["rows"]
+        if rows > 0:
+            assert not bool((sep["h"] == POISON).all()), f"{what}: separate path left h unwritten"
+            if expect_fused is not None:
+                assert bool((fused["h"] == POISON).all()) == expect_fused, \
+                    f"{what}: fused epilogue {'not ' if expect_fused else ''}taken"
+        assert torch.equal(fused["a2"], sep["a2"]), \
+            f"{what}: A2 differs in {int((fused['a2'] != sep['a2']).sum())} of {fused['a2'].numel()} values"
+        assert torch.equal(bits(fused["s2"]), bits(sep["s2"])), f"{what}: s2 differs"
+        if case.get("per_token_scale") is None:
+            assert np.array_equal(fused["s2"].cpu().numpy().view(np.uint32),
+                                  expected_s2(case, want_offsets).view(np.uint32)), f"{what}: s2 != w2_alpha[e]"
+        if deterministic:
+            assert torch.equal(bits(fused["out"]), bits(sep["out"])), f"{what}: deterministic outputs differ"
+        if deterministic not in cpu:
+            cpu[deterministic] = run_cpu(case, deterministic=deterministic, **cpu_opts)
+        for r, name in ((fused, "fused"), (sep, "separate")):
+            testing.assert_close(to_np(r["out"]), cpu[deterministic], case["quant_mode"],
+                                 tol=testing.TOLERANCES[tol_key], what=f"{what} {name} det={deterministic} vs CPU")
+    return cpu
+
+
+def make_case(mode, tokens, top_k, experts, activation, params, layout="up_gate_interleaved64", hidden=256,
+              inter=128, seed=0, **kw):
+    case = testing.make_fused_moe_case(mode, tokens, hidden, inter, experts, top_k, seed, activation=activation,
+                                       gate_up_layout=layout, **kw)
+    case.update(params)
+    if mode == "w4a4" and case.get("per_token_scale") is None:
+        # re-aim the intermediate's encode scale at |act| <= amax (make_fused_moe_case aims at 8; ReLU^2
+        # reaches ~20), keeping alpha2 = 1 / (fc2 * gs_w2)
+        amax = 32.0 if activation == "relu2" else 8.0
+        old, new = np.float32(case["fc2_input_scale"][0]), np.float32(448 * 6 / amax)
+        case["fc2_input_scale"] = np.array([new], np.float32)
+        case["w2_alpha"] = (case["w2_alpha"] * (old / new)).astype(np.float32)
+    return case
+
+
+# ------------------------------------------------------------------------------------------------
+# modes x activations x ragged shapes: the n8 / n16 tactics forced and the heuristic's
+# ------------------------------------------------------------------------------------------------
+SHAPES = {
+    # name: (tokens, top_k, experts, make_case keywords)
+    "T1": (1, 1, 8, {}),
+    "T1_k8": (1, 8, 64, {}),
+    "T7_empty_expert": (7, 4, 16, dict(empty_expert=3, minus_one=2, out_of_range=2)),
+    "T37_one_expert": (37, 1, 16, dict(expert_range=(5, 6))),
+    "T129_hot_expert": (129, 4, 16, dict(hot_expert=2)),
+    "T33_ep": (33, 2, 16, dict(num_local_experts=6, local_expert_offset=5, expert_range=(3, 13))),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("activation,params", ACTIVATION_CASES, ids=ACTIVATION_IDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_epilogue_matches_separate_path(mode, activation, params, shape):
+    tokens, top_k, experts, kw = SHAPES[shape]
+    layout = "gate_up" if activation == "relu2" else "up_gate_interleaved64"
+    case = make_case(mode, tokens, top_k, experts, activation, params, layout=layout,
+                     seed=tokens + 7 * top_k + 13 * MODES.index(mode), **kw)
+    cpu = {}
+    for tactic in FUSED_TACTICS:
+        cpu = compare_paths(case, tactic, expect_fused=True, cpu=cpu, routed_scaling_factor=1.5)
+    compare_paths(case, None, expect_fused=None, cpu=cpu, routed_scaling_factor=1.5)
+
+
+@pytest.mark.parametrize("mode", ("w4a16", "w4a4", "w4a8"))
+def test_packed_weights(mode):
+    case = make_case(mode, 19, 4, 8, "swiglu", GPT_OSS, seed=31)
+    cpu = {}
+    for tactic in FUSED_TACTICS:
+        cpu = compare_paths(case, tactic, cpu=cpu, fp4_weights_packed=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("activation,hidden,inter", [("swiglu", 256, 2880), ("relu2", 512, 160),
+                                                     ("geglu_tanh", 512, 384)])
+def test_sizes(mode, activation, hidden, inter):
+    """I = 2880 (gpt-oss: 45 64-groups), a ReLU^2 I = 160 (its second 128-row tile has 32 rows), I = 384."""
+    layout = "gate_up" if activation == "relu2" else "up_gate_interleaved64"
+    case = make_case(mode, 9, 4, 8, activation, {}, layout=layout, hidden=hidden, inter=inter,
+                     seed=hidden + inter + MODES.index(mode))
+    cpu = {}
+    for tactic in FUSED_TACTICS:
+        cpu = compare_paths(case, tactic, cpu=cpu)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_alphas_and_pdl(mode):
+    case = make_case(mode, 23, 4, 8, "geglu_tanh", {}, seed=12)
+    rng = np.random.default_rng(3)
+    case["w1_alpha"] = rng.uniform(0.5, 2.0, 8).astype(np.float32)
+    case["w2_alpha"] = (rng.uniform(0.5, 2.0, 8) * (case["w2_alpha"] if case.get("w2_alpha") is not None else 1)
+                        ).astype(np.float32)
+    cpu = {}
+    for tactic in FUSED_TACTICS:
+        cpu = compare_paths(case, tactic, cpu=cpu, enable_pdl=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# fallbacks: the separate kernels run (h written) and the result matches the CPU engine
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_gate_up_layout_falls_back(mode):
+    case = make_case(mode, 17, 4, 8, "swiglu", {}, layout="gate_up", seed=21)
+    compare_paths(case, "decode_m128_n8_k256", expect_fused=False)
+
+
+def test_w4a4_per_token_scale_falls_back():
+    case = make_case("w4a4", 17, 4, 8, "swiglu", {}, seed=22, per_token=True)
+    assert case.get("per_token_scale") is not None
+    compare_paths(case, "decode_m128_n8_k256", expect_fused=False)
+
+
+@pytest.mark.parametrize("tactic", ["decode_m64_n8_k256", "decode_m128_n24_k256", "decode_m128_n32_k256",
+                                    "prefill_m128_n64_k128"])
+def test_other_tactics_fall_back(tactic):
+    case = make_case("w4a4", 40, 4, 8, "swiglu", {}, seed=23)
+    compare_paths(case, tactic, expect_fused=False)
+
+
+def test_switch_is_read_per_call():
+    """Alternating the variable between calls in one process alternates the path (h poisoned or not)."""
+    case = make_case("w4a8", 5, 2, 8, "situ", ACTIVATION_CASES[4][1], seed=24)
+    dev = on_device(case)
+    for fused in (True, False, True, False):
+        r = run(case, dev, fused, True, tactic="decode_m128_n16_k256")
+        assert bool((r["h"] == POISON).all()) == fused
