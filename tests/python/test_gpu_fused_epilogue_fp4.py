@@ -231,6 +231,8 @@ def test_packed_weights(mode):
                                                      ("geglu_tanh", 512, 384)])
 def test_sizes(mode, activation, hidden, inter):
     """I = 2880 (gpt-oss: 45 64-groups), a ReLU^2 I = 160 (its second 128-row tile has 32 rows), I = 384."""
+    if mode == "w4a16_int4" and inter % 128 != 0:
+        pytest.skip("int4-g128 weights need I % 128 == 0")
     layout = "gate_up" if activation == "relu2" else "up_gate_interleaved64"
     case = make_case(mode, 9, 4, 8, activation, {}, layout=layout, hidden=hidden, inter=inter,
                      seed=hidden + inter + MODES.index(mode))

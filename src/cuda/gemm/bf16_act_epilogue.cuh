@@ -28,6 +28,30 @@ __device__ __forceinline__ uint32_t gid_lanes_max(uint32_t m) {
   return m;
 }
 
+__device__ __forceinline__ uint32_t max_abs_bits(float a, float b) {
+  return fused::abs_bits(a) > fused::abs_bits(b) ? fused::abs_bits(a) : fused::abs_bits(b);
+}
+
+// The per-value arithmetic as out-of-line functions: one copy of the code however many accumulator slots
+// call it. Inlined per slot, the activations' and the requantizations' code made the kernel ~60% larger,
+// and the epilogue, run once per tile, was fetched cold from L2 every time (the layer measured slower).
+// Same operations, so the same bits as the separate kernel's inlined copies (checked by the GPU tests).
+__device__ __noinline__ float act_value(const fused::ActivationArgs a, float g, float u) {
+  return a.activation == Activation::kRelu2 ? activation::relu2<float>(u) : fused::gated_value(a, g, u);
+}
+// The two values of an NVFP4 block (16 features) held by this thread, amax_bits the block's.
+__device__ __noinline__ float2 nvfp4_pair(float x, float y, float gs, uint32_t amax_bits) {
+  const float sf = fused::nvfp4_block_sf(gs, __uint_as_float(amax_bits));
+  const UniformDivisor by_sf(sf);
+  return make_float2(fused::nvfp4_md(x, gs, by_sf, sf), fused::nvfp4_md(y, gs, by_sf, sf));
+}
+// The same for an MXFP8 block (32 features).
+__device__ __noinline__ float2 mxfp8_pair(float x, float y, uint32_t amax_bits) {
+  const float s = fused::mxfp8_block_s(__uint_as_float(amax_bits));
+  const float inv = __frcp_rn(s);
+  return make_float2(fused::mxfp8_md(x, inv, s), fused::mxfp8_md(y, inv, s));
+}
+
 // Every thread of the CTA calls this for its tile (it may hold a barrier). h = rs * (post * acc) is the
 // value the plain epilogue stores (store_fragments: acc * post, then the row scale); acc is zeroed after.
 // xchg: shared scratch of 2 * WARPS_M * TILE_N floats (MXFP8 only).
@@ -39,9 +63,10 @@ __device__ __forceinline__ void act_bf16_epilogue(float (&acc)[MF][NF][4], const
   static_assert(kTileN == NF * 8, "one warp along the tokens");
   constexpr int kHalf = kTileM / 2;
   const bool gated = ep.act.activation != Activation::kRelu2;
+  const int blocks = gated ? 1 : MF;  // 16-feature blocks per warp and token: v[mf] for mf < blocks
   const int inter = ep.inter;
+  const fused::ActivationArgs act = ep.act;
 
-  // v[mf][nf][c] (gated: mf 0 only).
   float v[MF][NF][4];
 #pragma unroll
   for (int nf = 0; nf < NF; ++nf)
@@ -57,16 +82,11 @@ __device__ __forceinline__ void act_bf16_epilogue(float (&acc)[MF][NF][4], const
         hv[mf] = scaled ? __fmul_rn(rs, x) : x;
         acc[mf][nf][c] = 0.f;
       }
-      if (gated) {
-        v[0][nf][c] = fused::gated_value(ep.act, hv[1], hv[0]);
-        v[1][nf][c] = 0.f;
-      } else {
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf) v[mf][nf][c] = activation::relu2<float>(hv[mf]);
-      }
+      // gated: v = act(gate = mf 1, up = mf 0); ReLU^2: v[mf] = relu2(h[mf])
+      v[0][nf][c] = act_value(act, hv[1], hv[0]);
+      v[1][nf][c] = gated ? 0.f : act_value(act, 0.f, hv[1]);
     }
 
-  const int blocks = gated ? 1 : MF;  // 16-feature blocks per warp and token
   if (ep.requant == fused::Bf16Requant::kNvfp4) {
     const float gs = ep.fc2_input_scale[0];
 #pragma unroll
@@ -76,13 +96,10 @@ __device__ __forceinline__ void act_bf16_epilogue(float (&acc)[MF][NF][4], const
       for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {  // token 2 tig + c: rows gid (c) and gid + 8 (c + 2)
-          const uint32_t local = fused::abs_bits(v[mf][nf][c]) > fused::abs_bits(v[mf][nf][c + 2])
-                                     ? fused::abs_bits(v[mf][nf][c])
-                                     : fused::abs_bits(v[mf][nf][c + 2]);
-          const float sf = fused::nvfp4_block_sf(gs, __uint_as_float(gid_lanes_max(local)));
-          const UniformDivisor by_sf(sf);
-          v[mf][nf][c] = fused::nvfp4_md(v[mf][nf][c], gs, by_sf, sf);
-          v[mf][nf][c + 2] = fused::nvfp4_md(v[mf][nf][c + 2], gs, by_sf, sf);
+          const uint32_t amax = gid_lanes_max(max_abs_bits(v[mf][nf][c], v[mf][nf][c + 2]));
+          const float2 md = nvfp4_pair(v[mf][nf][c], v[mf][nf][c + 2], gs, amax);
+          v[mf][nf][c] = md.x;
+          v[mf][nf][c + 2] = md.y;
         }
     }
   } else if (ep.requant == fused::Bf16Requant::kMxfp8) {
@@ -94,10 +111,7 @@ __device__ __forceinline__ void act_bf16_epilogue(float (&acc)[MF][NF][4], const
       for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const uint32_t local = fused::abs_bits(v[mf][nf][c]) > fused::abs_bits(v[mf][nf][c + 2])
-                                     ? fused::abs_bits(v[mf][nf][c])
-                                     : fused::abs_bits(v[mf][nf][c + 2]);
-          own[mf][nf][c] = gid_lanes_max(local);
+          own[mf][nf][c] = gid_lanes_max(max_abs_bits(v[mf][nf][c], v[mf][nf][c + 2]));
           if (gid == 0 && mf < blocks)
             reinterpret_cast<uint32_t*>(xchg)[(mf * WARPS_M + warp_m) * kTileN + nf * 8 + 2 * tig + c] = own[mf][nf][c];
         }
@@ -111,11 +125,9 @@ __device__ __forceinline__ void act_bf16_epilogue(float (&acc)[MF][NF][4], const
         for (int c = 0; c < 2; ++c) {
           const uint32_t other =
               reinterpret_cast<const uint32_t*>(xchg)[(mf * WARPS_M + (warp_m ^ 1)) * kTileN + nf * 8 + 2 * tig + c];
-          const uint32_t m = own[mf][nf][c] > other ? own[mf][nf][c] : other;
-          const float s = fused::mxfp8_block_s(__uint_as_float(m));
-          const float inv = __frcp_rn(s);
-          v[mf][nf][c] = fused::mxfp8_md(v[mf][nf][c], inv, s);
-          v[mf][nf][c + 2] = fused::mxfp8_md(v[mf][nf][c + 2], inv, s);
+          const float2 md = mxfp8_pair(v[mf][nf][c], v[mf][nf][c + 2], own[mf][nf][c] > other ? own[mf][nf][c] : other);
+          v[mf][nf][c] = md.x;
+          v[mf][nf][c + 2] = md.y;
         }
     }
   }
