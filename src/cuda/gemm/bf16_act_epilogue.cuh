@@ -36,17 +36,17 @@ __device__ __forceinline__ uint32_t max_abs_bits(float a, float b) {
 // call it. Inlined per slot, the activations' and the requantizations' code made the kernel ~60% larger,
 // and the epilogue, run once per tile, was fetched cold from L2 every time (the layer measured slower).
 // Same operations, so the same bits as the separate kernel's inlined copies (checked by the GPU tests).
-__device__ __noinline__ float act_value(const fused::ActivationArgs a, float g, float u) {
+static __device__ __noinline__ float act_value(const fused::ActivationArgs a, float g, float u) {
   return a.activation == Activation::kRelu2 ? activation::relu2<float>(u) : fused::gated_value(a, g, u);
 }
 // The two values of an NVFP4 block (16 features) held by this thread, amax_bits the block's.
-__device__ __noinline__ float2 nvfp4_pair(float x, float y, float gs, uint32_t amax_bits) {
+static __device__ __noinline__ float2 nvfp4_pair(float x, float y, float gs, uint32_t amax_bits) {
   const float sf = fused::nvfp4_block_sf(gs, __uint_as_float(amax_bits));
   const UniformDivisor by_sf(sf);
   return make_float2(fused::nvfp4_md(x, gs, by_sf, sf), fused::nvfp4_md(y, gs, by_sf, sf));
 }
 // The same for an MXFP8 block (32 features).
-__device__ __noinline__ float2 mxfp8_pair(float x, float y, uint32_t amax_bits) {
+static __device__ __noinline__ float2 mxfp8_pair(float x, float y, uint32_t amax_bits) {
   const float s = fused::mxfp8_block_s(__uint_as_float(amax_bits));
   const float inv = __frcp_rn(s);
   return make_float2(fused::mxfp8_md(x, inv, s), fused::mxfp8_md(y, inv, s));
