@@ -2,7 +2,8 @@
 w4a8; src/cuda/gemm/bf16_act_requant.h): with a 128-row mma.sync decode tactic for GEMM1 (n8 or n16), a
 gated activation in the up_gate_interleaved64 layout (or ReLU^2) and any requantization but w4a4's
 per-token one, GEMM1's epilogue writes the bf16 intermediate A2 and s2 itself and never writes the fp32 h;
-QMOE_FUSED_EPILOGUE=0 (read on every call) forces the separate kernels.
+QMOE_FUSED_EPILOGUE=0 (read on every call) forces the separate kernels, =1 the fused epilogue wherever
+supported (unset: the rule bf16_act_pays, which keeps n8's 3-CTA shape separate).
 
 Every case runs the same device data through both paths with a caller-owned workspace poisoned with
 0xAA bytes and a NaN-poisoned output, then checks:
@@ -15,7 +16,7 @@ Every case runs the same device data through both paths with a caller-owned work
 Coverage: every mode x every activation (swiglu, gpt-oss swiglu_oai, geglu_tanh, relu2, situ) x ragged
 routing (T = 1, top-k 8 at T = 1, an empty expert with -1 / out-of-range ids, all tokens on one expert, a
 hot expert with several token tiles, EP with local experts) x the n8 / n16 tactics forced and the
-heuristic's; packed FP4 weights; I = 2880 (gpt-oss) and a ReLU^2 I whose last 128-row tile is partial;
+heuristic's; the rule that keeps n8's 3-CTA shape separate when the variable is unset; packed FP4 weights; I = 2880 (gpt-oss) and a ReLU^2 I whose last 128-row tile is partial;
 w1 / w2 alphas and PDL; the fallbacks ([gate; up] layout, w4a4 per-token scales, other tactics) write h
 and match the CPU engine; the switch is read per call.
 """
@@ -47,10 +48,14 @@ FUSED_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256")
 # helpers
 # ------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def fused_epilogue(enabled: bool):
-    """QMOE_FUSED_EPILOGUE for the calls inside (the pipeline reads it on every call)."""
+def fused_epilogue(enabled):
+    """QMOE_FUSED_EPILOGUE for the calls inside (the pipeline reads it on every call): True "1" (fused
+    wherever supported), False "0" (never), None unset (the pipeline's rule, bf16_act_pays)."""
     old = os.environ.get(ENV)
-    os.environ[ENV] = "1" if enabled else "0"
+    if enabled is None:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = "1" if enabled else "0"
     try:
         yield
     finally:
@@ -273,6 +278,21 @@ def test_w4a4_per_token_scale_falls_back():
 def test_other_tactics_fall_back(tactic):
     case = make_case("w4a4", 40, 4, 8, "swiglu", {}, seed=23)
     compare_paths(case, tactic, expect_fused=False)
+
+
+def test_rule_keeps_the_three_cta_n8_shape_separate():
+    """Unset, the rule (bf16_act_pays) fuses at a small grid and keeps the separate kernels where n8 runs its
+    3-CTA shape (>= 6 x SMs tiles: here 64 experts x 32 feature tiles); "1" fuses there too (4-stage shape),
+    with the same A2 bits."""
+    big = make_case("w4a4", 8, 8, 64, "swiglu", {}, inter=2048, seed=25)
+    dev = on_device(big)
+    rule = run(big, dev, None, True, tactic="decode_m128_n8_k256")
+    forced = run(big, dev, True, True, tactic="decode_m128_n8_k256")
+    assert not bool((rule["h"] == POISON).all()), "rule: separate kernels expected at the 3-CTA shape"
+    assert bool((forced["h"] == POISON).all()), "QMOE_FUSED_EPILOGUE=1: fused expected"
+    assert torch.equal(rule["a2"], forced["a2"]) and torch.equal(bits(rule["out"]), bits(forced["out"]))
+    small = make_case("w4a4", 1, 8, 64, "swiglu", {}, seed=26)
+    assert bool((run(small, on_device(small), None, True, tactic="decode_m128_n8_k256")["h"] == POISON).all())
 
 
 def test_switch_is_read_per_call():

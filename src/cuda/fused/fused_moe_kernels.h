@@ -131,9 +131,11 @@ void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* outp
                  void* slot_rows, cudaStream_t stream);
 
 // QMOE_FUSED_EPILOGUE=0 forces the separate activation kernels in both pipelines (A/B timing, tests
-// comparing both paths); any other value or none allows GEMM1's fused activation epilogue. Read on every
-// call (a getenv: cheap, and legal during stream capture), so one process can switch between calls.
-bool fused_epilogue_allowed();
+// comparing both paths); =1 forces GEMM1's fused activation epilogue wherever it is supported, also where
+// the pipeline's rule (act_requant_pays, bf16_act_pays) would keep it off; unset or any other value: the rule.
+// Read on every call (a getenv: cheap, and legal during stream capture), so one process can switch between calls.
+bool fused_epilogue_allowed();  // QMOE_FUSED_EPILOGUE != "0"
+bool fused_epilogue_forced();   // QMOE_FUSED_EPILOGUE == "1"
 
 // The fused finalize as GEMM2's epilogue (DESIGN.md 5.2, use_fused_finalize): for fused_moe
 // (slot_rows == nullptr) with p.deterministic == false, the RowScatterAdd that makes GEMM2 add

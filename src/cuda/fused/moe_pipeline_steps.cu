@@ -55,6 +55,11 @@ bool fused_epilogue_allowed() {
   return v == nullptr || !(v[0] == '0' && v[1] == '\0');
 }
 
+bool fused_epilogue_forced() {
+  const char* v = std::getenv("QMOE_FUSED_EPILOGUE");
+  return v != nullptr && v[0] == '1' && v[1] == '\0';
+}
+
 RowScatterAdd fused_finalize_scatter(const FusedMoeParams& p, const int32_t* input_permutation,
                                      const void* slot_rows, const Tactic& gemm2_tactic) {
   RowScatterAdd sc;

@@ -14,7 +14,8 @@
 //   4. GEMM1          h[r] = s1[r] * W13[e] . A1[r]  (fp32 output)                gemm/sm90_grouped_gemm_bf16_w4
 //   5. act + requant  A2[r] = bf16(md(act(h[r]))), s2[r] = w2_alpha[e] (* row_scale) moe_activation_requant.cu
 //      (4-5 as one kernel, GEMM1's fused epilogue, with a 128-row decode tactic and the sizes and modes of
-//      gemm/bf16_act_requant.h; QMOE_FUSED_EPILOGUE=0 keeps them apart)
+//      gemm/bf16_act_requant.h, where bf16_act_pays; QMOE_FUSED_EPILOGUE=0 keeps them apart, =1 fuses
+//      wherever supported)
 //   6. GEMM2          y[r] = bf16(s2[r] * W2[e] . A2[r])                          gemm/sm90_grouped_gemm_bf16_w4
 //   7. finalize       out[t] = combine of w[t, j] * y[row(t, j)] in slot order    moe_finalize.cu
 //                     (or, for moe_expert_rows, slot_rows[s] = y[row(s)])
@@ -147,7 +148,8 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
                                   p.swiglu_beta, p.swiglu_limit,   p.situ_beta,
                                   p.situ_linear_beta.has_value(),  p.situ_linear_beta.value_or(1.0f)};
   const fused::Bf16Requant requant = requant_of(p);
-  if (fused::fused_epilogue_allowed() && bf16_act_supported(gemm1_tactic, dims.rows1, dims.inter, act, requant)) {
+  if (fused::fused_epilogue_allowed() && bf16_act_supported(gemm1_tactic, dims.rows1, dims.inter, act, requant) &&
+      (fused::fused_epilogue_forced() || bf16_act_pays(gemm1_tactic, dims.slots, dims.local, dims.rows1, device))) {
     // 4-5. GEMM1 with the activation and the bf16 intermediate as its epilogue: A2 and s2, no h.
     Bf16ActEpilogue ep;
     ep.a2 = a2;

@@ -9,8 +9,8 @@
 // through the functions of cuda/fused/activation_math.cuh, so A2 and s2 are bit for bit those of the
 // separate path (GEMM1 into h, then activation_requant_bf16). h is never written.
 //
-// Where it runs: the 128-row mma.sync decode tiles (decode_m128_n8_k256 in both pipeline shapes,
-// decode_m128_n16_k256). Their fused form maps each warp's two 16-row fragments to the up rows and the
+// Where it runs: the 128-row mma.sync decode tiles decode_m128_n8_k256 (its 4-stage, 2-CTA shape) and
+// decode_m128_n16_k256. Their fused form maps each warp's two 16-row fragments to the up rows and the
 // gate rows of the same 16 features (gated) or to two 16-feature blocks (ReLU^2), so the activation and an
 // NVFP4 block's amax stay in registers (shuffles inside the warp); an MXFP8 block (32 features) spans two
 // warps, whose amaxes meet in shared memory behind one barrier. Gated activations need the
@@ -45,6 +45,13 @@ struct Bf16ActEpilogue {
 // and requantization (see the top comment).
 bool bf16_act_supported(const Tactic& tactic, int64_t n, int64_t inter, const fused::ActivationArgs& act,
                         fused::Bf16Requant requant);
+
+// Whether the fused epilogue is the faster path (H200, bench/results/2026-12-02_s23_*: the layer with
+// QMOE_FUSED_EPILOGUE=1 vs 0): it saves the activation kernel, but its latency at the end of every tile is
+// not hidden where n8 runs its 3-CTA shape (3 stages; n8_tiles_fill_three_per_sm): Mixtral / gpt-oss T = 8
+// 1-5% slower there, T = 1 and the 2-CTA shapes 0-3% faster. So: every supported tactic except n8 with that
+// many tiles (as act_requant_pays for the W4A8 GEMM). rows: GEMM1's rows (slots), n: GEMM1's N.
+bool bf16_act_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device);
 
 // GEMM1 with the fused epilogue (args.d is not written; args.d_fp32 and args.scatter are ignored).
 // Requires bf16_act_supported(tactic, args.n, ep.inter, ep.act, ep.requant).

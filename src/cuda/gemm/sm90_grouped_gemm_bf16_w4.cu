@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cuda/gemm/bf16_act_requant.h"
+#include "cuda/gemm/resident_ctas.h"  // n8_tiles_fill_three_per_sm
 #include "cuda/gemm/sm90_grouped_gemm_bf16_w4.cuh"
 #include "cuda/launch.h"
 #include "qmoe/error.h"
@@ -90,6 +91,11 @@ bool bf16_act_supported(const Tactic& tactic, int64_t n, int64_t inter, const fu
   if (!tile || requant == fused::Bf16Requant::kNvfp4PerToken || inter <= 0) return false;
   if (act.activation == Activation::kRelu2) return n == inter && inter % 32 == 0;
   return act.layout == GateUpLayout::kUpGateInterleaved64 && n == 2 * inter && inter % 64 == 0;
+}
+
+bool bf16_act_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device) {
+  const bool n8 = tactic.family == Tactic::Family::kDecode && tactic.tile_m == 128 && tactic.tile_n == 8;
+  return !n8 || !n8_tiles_fill_three_per_sm(rows, num_experts, n, device);
 }
 
 void bf16_w4_moe_mm_act(const Bf16W4GemmArgs& args, const Tactic& tactic, cudaStream_t stream,
