@@ -380,12 +380,13 @@ def test_wrapper_preallocated_graphs_for_two_token_counts(mode, fused_finalize):
 
 
 @pytest.mark.parametrize("mode,gemm_pdl", [("w4a8_int4", "default"), ("w4a8_int4", "gemms_off"),
-                                            ("w4a8_int4", "gemms_on"), ("w4a4", "default"), ("w4a16", "default")])
+                                            ("w4a8_int4", "gemms_on"), ("w4a4", "default"), ("w4a4", "gemms_on"),
+                                            ("w4a16", "default"), ("w4a16", "gemms_off")])
 @pytest.mark.parametrize("tokens", [1, 37, 300])
 def test_pdl_gives_the_same_bits(mode, gemm_pdl, tokens, monkeypatch):
     """enable_pdl=True (programmatic dependent launch between the pipeline's kernels) changes only
     the scheduling: eager and graph-replayed results equal the plain launches bit for bit.
-    The w4a8_int4 pipeline gives its GEMMs the attribute only at few tokens by default; QMOE_PDL_GEMMS
+    Both pipelines give their GEMMs the attribute only at few tokens by default; QMOE_PDL_GEMMS
     forces it: gemms_off (=0) launches them in stream order between dependent glue kernels, gemms_on
     (=1) as dependents at every T."""
     if gemm_pdl != "default":

@@ -130,6 +130,16 @@ RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& bu
 void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* output_permutation, int64_t hidden,
                  void* slot_rows, cudaStream_t stream);
 
+// Whether the two GEMMs of a pipeline get the PDL attribute (the glue kernels keep it whenever enable_pdl
+// is on). In the w4a8_int4 pipeline the layer was 1-4% faster with it up to T = 4 but up to 7% (DeepSeek-V3,
+// T = 16) and 14% (Mixtral, T = 64) slower above (bench/results/2026-11-30_s10a_nvidia_h200_split_k_pdl.md):
+// a GEMM launched as a dependent holds SMs early, waiting, that its predecessor's later CTAs could use. So
+// by default only up to kGemmPdlMaxTokens tokens (both pipelines; the bf16 x 4-bit one: session 23's A/B,
+// bench/results/2026-12-02_s23_*). QMOE_PDL_GEMMS=0 / =1 force it off / on (A/B timing; read per call like
+// QMOE_FUSED_EPILOGUE, a getenv: cheap and legal during stream capture).
+constexpr int64_t kGemmPdlMaxTokens = 4;
+bool gemm_pdl_wanted(int64_t tokens);
+
 // QMOE_FUSED_EPILOGUE=0 forces the separate activation kernels in both pipelines (A/B timing, tests
 // comparing both paths); =1 forces GEMM1's fused activation epilogue wherever it is supported, also where
 // the pipeline's rule (act_requant_pays, bf16_act_pays) would keep it off; unset or any other value: the rule.

@@ -50,6 +50,12 @@ void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* outp
            p.routed_scaling_factor, p.deterministic, p.output.dtype, p.output.data, stream);
 }
 
+bool gemm_pdl_wanted(int64_t tokens) {
+  const char* v = std::getenv("QMOE_PDL_GEMMS");
+  if (v != nullptr && (v[0] == '0' || v[0] == '1') && v[1] == '\0') return v[0] == '1';
+  return tokens <= kGemmPdlMaxTokens;
+}
+
 bool fused_epilogue_allowed() {
   const char* v = std::getenv("QMOE_FUSED_EPILOGUE");
   return v == nullptr || !(v[0] == '0' && v[1] == '\0');

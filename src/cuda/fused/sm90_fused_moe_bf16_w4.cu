@@ -91,6 +91,7 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   const int device = p.x.device_index;
   DeviceGuard current(device);
   PdlScope pdl(p.enable_pdl);  // every launch of this call (cuda/common/pdl.cuh)
+  const bool gemm_pdl = p.enable_pdl && fused::gemm_pdl_wanted(dims.tokens);  // the GEMMs' own (fused_moe_kernels.h)
 
   const FusedMoeBf16W4WorkspaceLayout layout =
       fused_moe_bf16_w4_workspace_layout(dims.slots, dims.local, dims.hidden, dims.inter, dims.rows1);
@@ -138,6 +139,7 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
     g.k = static_cast<int>(k);
     g.max_rows = dims.slots;
     g.scatter = sc;
+    PdlScope gemm_scope(gemm_pdl);
     if (ep != nullptr)
       bf16_w4_moe_mm_act(g, tactic, stream, *ep);
     else

@@ -51,20 +51,6 @@ TensorRef device_tensor(void* data, DType dtype, std::initializer_list<int64_t> 
   return make_tensor(data, dtype, shape, Device::kCUDA, device);
 }
 
-// Whether the two GEMMs get the PDL attribute (the glue kernels keep it whenever enable_pdl is on).
-// With it the layer was 1-4% faster up to T = 4 but up to 7% (DeepSeek-V3, T = 16) and 14% (Mixtral,
-// T = 64) slower above (bench/results/2026-11-30_s10a_nvidia_h200_split_k_pdl.md): a GEMM launched as a
-// dependent holds SMs early, waiting, that its predecessor's later CTAs could use. So by default only
-// up to kGemmPdlMaxTokens tokens. QMOE_PDL_GEMMS=0 / =1 force it off / on (A/B timing; read per
-// call like QMOE_FUSED_EPILOGUE, a getenv: cheap and legal during stream capture).
-constexpr int64_t kGemmPdlMaxTokens = 4;
-
-bool gemm_pdl_wanted(int64_t tokens) {
-  const char* v = std::getenv("QMOE_PDL_GEMMS");
-  if (v != nullptr && (v[0] == '0' || v[0] == '1') && v[1] == '\0') return v[0] == '1';
-  return tokens <= kGemmPdlMaxTokens;
-}
-
 }  // namespace
 
 void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, const Tactic& gemm2_tactic,
@@ -74,7 +60,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   const int device = p.x.device_index;
   DeviceGuard current(device);
   PdlScope pdl(p.enable_pdl);  // every launch of this call (cuda/common/pdl.cuh)
-  const bool gemm_pdl = p.enable_pdl && gemm_pdl_wanted(dims.tokens);
+  const bool gemm_pdl = p.enable_pdl && fused::gemm_pdl_wanted(dims.tokens);
 
   const FusedMoeWorkspaceLayout layout =
       fused_moe_workspace_layout(dims.slots, dims.local, dims.hidden, dims.inter, dims.rows1);
