@@ -60,7 +60,7 @@ def fused_epilogue(enabled):
         yield
     finally:
         if old is None:
-            del os.environ[ENV]
+            os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = old
 
