@@ -141,8 +141,9 @@ constexpr int64_t kGemmPdlMaxTokens = 4;
 bool gemm_pdl_wanted(int64_t tokens);
 
 // QMOE_FUSED_EPILOGUE=0 forces the separate activation kernels in both pipelines (A/B timing, tests
-// comparing both paths); =1 forces GEMM1's fused activation epilogue wherever it is supported, also where
-// the pipeline's rule (act_requant_pays, bf16_act_pays) would keep it off; unset or any other value: the rule.
+// comparing both paths); =1 forces GEMM1's fused activation epilogue on the decode tiles wherever it is
+// supported, also where the pipeline's rule (act_requant_pays, bf16_act_pays) would keep it off (the W4A8
+// WGMMA tiles keep their own opt-in, QMOE_WGMMA_FUSED_EPILOGUE=1); unset or any other value: the rule.
 // Read on every call (a getenv: cheap, and legal during stream capture), so one process can switch between calls.
 bool fused_epilogue_allowed();  // QMOE_FUSED_EPILOGUE != "0"
 bool fused_epilogue_forced();   // QMOE_FUSED_EPILOGUE == "1"

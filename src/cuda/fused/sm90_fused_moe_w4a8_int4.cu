@@ -119,8 +119,9 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
                                   p.situ_linear_beta.has_value(),  p.situ_linear_beta.value_or(1.0f)};
   const bool fuse_activation = !dynamic_a2 && fused::fused_epilogue_allowed() &&
                                act_requant_supported(gemm1_tactic, dims.rows1, dims.inter, p.activation) &&
-                               (fused::fused_epilogue_forced() ||
-                                act_requant_pays(gemm1_tactic, dims.slots, dims.local, dims.rows1, device));
+                               (act_requant_pays(gemm1_tactic, dims.slots, dims.local, dims.rows1, device) ||
+                                // =1 overrides the 3-CTA rule, not the WGMMA tiles' own opt-in
+                                (fused::fused_epilogue_forced() && gemm1_tactic.family == Tactic::Family::kDecode));
   if (fuse_activation) {
     // 5-7. GEMM1 with the activation and the requantization as its epilogue: A2 and s2, no h.
     W4A8MoeMmArgs g;
