@@ -32,6 +32,7 @@ def num(r, key):
 runs = [table(d) for d in sys.argv[1:]]
 print("| model | T | " + " | ".join(f"det {i}" for i in range(len(runs))) + " | det last/first | "
       + " | ".join(f"fused {i}" for i in range(len(runs))) + " | fused last/first |")
+print("|---|--:|" + "--:|" * (2 * len(runs) + 2))
 for key in runs[0]:
     det = [num(r.get(key, {}), "qmoe det graph") for r in runs]
     fus = [num(r.get(key, {}), "qmoe fused graph") for r in runs]
