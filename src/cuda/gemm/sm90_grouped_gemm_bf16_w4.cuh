@@ -372,6 +372,35 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     const uint8_t* sa = sb + Cfg::kStageB;
     const uint8_t* ss = sa + Cfg::kStageA;
 
+    // MXFP4: the scale bytes of all of the stage's groups of this warp first, and one vote for the stage: when
+    // every scale is <= 2^1 (s <= 128: MX weight scales in practice), one multiply by the bf16 2^(s - 1) per pair
+    // (the NVFP4 decode) instead of * 2^126, * 2^(s - 127); the product e2m1 * 2^(s - 127) is the same exact
+    // value. A warp vote (mma.sync needs the whole warp on one path), once per stage: a vote per group put its
+    // latency into every group's chain (T = 1 at long K).
+    [[maybe_unused]] int mx_byte[GPS / WARPS_K][MF][2];
+    bool mx_fast = false;
+    if constexpr (F == W4Format::kMxfp4) {
+      const int row_base = kHalfScaleTile ? stage_scale_row[it % STAGES] : 0;
+      bool small = true;
+#pragma unroll
+      for (int gk = 0; gk < GPS / WARPS_K; ++gk) {
+        const int gg = gk * WARPS_K + warp_k;
+        const int g = s * GPS + gg;
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = row_base + frag_row(warp_m, mf) + gid + 8 * h;  // row of the scale tile
+            const int blk = gg * 4 + tig;
+            const uint8_t one = ss[(blk / 4) * 512 + (r % 32) * 16 + (r / 32) * 4 + (blk % 4)];
+            // -1: past K (scale 0), including a whole group past K in the last stage
+            mx_byte[gk][mf][h] = g < groups && g * 4 + tig < p.scale_blocks ? one : -1;
+            small = small && mx_byte[gk][mf][h] <= 128;
+          }
+      }
+      mx_fast = __all_sync(0xffffffffu, small);
+    }
+
 #pragma unroll
     for (int gk = 0; gk < GPS / WARPS_K; ++gk) {
       const int gg = gk * WARPS_K + warp_k;  // this warp's groups of the stage
@@ -387,8 +416,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       }
       // FP4 scales of this thread's blocks, per row half: [mf][h][word / 2 (NVFP4) or 0 (MX)].
       uint32_t sc[MF][2][2];
-      [[maybe_unused]] int mx_byte[MF][2];
-      if constexpr (!kInt4) {
+      if constexpr (F == W4Format::kNvfp4) {
         const int row_base = kHalfScaleTile ? stage_scale_row[it % STAGES] : 0;
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
@@ -396,37 +424,20 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
           for (int h = 0; h < 2; ++h) {
             const int r = row_base + frag_row(warp_m, mf) + gid + 8 * h;  // row of the scale tile
             const int row_off = (r % 32) * 16 + (r / 32) * 4;
-            if constexpr (F == W4Format::kNvfp4) {
-              const int blk = gg * 8 + 2 * tig;  // stage-local block of words 0, 1 (+1 for words 2, 3)
-              const int gblk = g * 8 + 2 * tig;
-              // Blocks past K read as scale 0 (e4m3 0): a mask on the bytes, the same for every row.
-              const uint32_t keep = gblk + 1 < p.scale_blocks ? 0xffffu : gblk < p.scale_blocks ? 0xffu : 0u;
-              const uint32_t two =
-                  *reinterpret_cast<const uint16_t*>(ss + (blk / 4) * 512 + row_off + (blk % 4)) & keep;
-              nvfp4_scale_splats(two, sc[mf][h][0], sc[mf][h][1]);
-            } else {
-              const int blk = gg * 4 + tig;
-              const uint8_t one = ss[(blk / 4) * 512 + row_off + (blk % 4)];
-              mx_byte[mf][h] = g * 4 + tig < p.scale_blocks ? one : -1;  // -1: past K (scale 0)
-            }
+            const int blk = gg * 8 + 2 * tig;  // stage-local block of words 0, 1 (+1 for words 2, 3)
+            const int gblk = g * 8 + 2 * tig;
+            // Blocks past K read as scale 0 (e4m3 0): a mask on the bytes, the same for every row.
+            const uint32_t keep = gblk + 1 < p.scale_blocks ? 0xffffu : gblk < p.scale_blocks ? 0xffu : 0u;
+            const uint32_t two = *reinterpret_cast<const uint16_t*>(ss + (blk / 4) * 512 + row_off + (blk % 4)) & keep;
+            nvfp4_scale_splats(two, sc[mf][h][0], sc[mf][h][1]);
           }
       }
-      // MXFP4: when every scale of the warp's group is <= 2^1 (s <= 128: MX weight scales in practice), one
-      // multiply by the bf16 2^(s - 1) per pair (the NVFP4 decode) instead of * 2^126, * 2^(s - 127); the
-      // product e2m1 * 2^(s - 127) is the same exact value. A warp vote: mma.sync needs the whole warp on one path.
-      bool mx_fast = false;
       if constexpr (F == W4Format::kMxfp4) {
-        bool small = true;
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) small = small && mx_byte[mf][h] <= 128;
-        mx_fast = __all_sync(0xffffffffu, small);
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int b = mx_byte[mf][h];
+            const int b = mx_byte[gk][mf][h];
             const uint32_t fast = static_cast<uint32_t>(b + 126) << 7;
             sc[mf][h][0] = sc[mf][h][1] = b < 0 ? 0u : mx_fast ? (fast | (fast << 16)) : scale_splat<F>(b);
           }
