@@ -42,9 +42,16 @@ struct Bf16ActEpilogue {
 };
 
 // True when GEMM1 (rows n, I = inter) can take the fused epilogue with this tactic, activation, layout
-// and requantization (see the top comment).
-bool bf16_act_supported(const Tactic& tactic, int64_t n, int64_t inter, const fused::ActivationArgs& act,
-                        fused::Bf16Requant requant);
+// and requantization (see the top comment). Pure: tested on the host (tests/cpp/test_bf16_act_requant.cpp).
+inline bool bf16_act_supported(const Tactic& tactic, int64_t n, int64_t inter, const fused::ActivationArgs& act,
+                               fused::Bf16Requant requant) {
+  // The configurations compiled with the fused epilogue (sm90_grouped_gemm_bf16_w4_launch.cuh: WITH_ACT).
+  const bool tile = tactic.family == Tactic::Family::kDecode && tactic.tile_m == 128 && tactic.tile_k == 256 &&
+                    tactic.split_k == 1 && (tactic.tile_n == 8 || tactic.tile_n == 16);
+  if (!tile || requant == fused::Bf16Requant::kNvfp4PerToken || inter <= 0) return false;
+  if (act.activation == Activation::kRelu2) return n == inter && inter % 32 == 0;
+  return act.layout == GateUpLayout::kUpGateInterleaved64 && n == 2 * inter && inter % 64 == 0;
+}
 
 // Whether the fused epilogue is the faster path (H200, bench/results/2026-12-02_s23_*: the layer with
 // QMOE_FUSED_EPILOGUE=1 vs 0): it saves the activation kernel, but its latency at the end of every tile is

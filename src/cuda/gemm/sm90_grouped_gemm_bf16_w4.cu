@@ -83,16 +83,6 @@ void bf16_w4_moe_mm(const Bf16W4GemmArgs& args, const Tactic& tactic, cudaStream
   run(args, tactic, args.d_fp32 ? bf16w4::OutKind::kFp32 : bf16w4::OutKind::kBf16, Bf16ActEpilogue{}, stream);
 }
 
-bool bf16_act_supported(const Tactic& tactic, int64_t n, int64_t inter, const fused::ActivationArgs& act,
-                        fused::Bf16Requant requant) {
-  // The configurations compiled with the fused epilogue (sm90_grouped_gemm_bf16_w4_launch.cuh: WITH_ACT).
-  const bool tile = tactic.family == Tactic::Family::kDecode && tactic.tile_m == 128 && tactic.tile_k == 256 &&
-                    tactic.split_k == 1 && (tactic.tile_n == 8 || tactic.tile_n == 16);
-  if (!tile || requant == fused::Bf16Requant::kNvfp4PerToken || inter <= 0) return false;
-  if (act.activation == Activation::kRelu2) return n == inter && inter % 32 == 0;
-  return act.layout == GateUpLayout::kUpGateInterleaved64 && n == 2 * inter && inter % 64 == 0;
-}
-
 bool bf16_act_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device) {
   const bool n8 = tactic.family == Tactic::Family::kDecode && tactic.tile_m == 128 && tactic.tile_n == 8;
   return !n8 || !n8_tiles_fill_three_per_sm(rows, num_experts, n, device);
