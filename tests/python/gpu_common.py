@@ -1,5 +1,8 @@
 """Shared by the GPU test modules: the skip rules (torch, a CUDA device, sm_90, a kernels build)
 and numpy <-> torch conversions for qmoe's dtypes (bf16 and e4m3 travel as same-size integers)."""
+import contextlib
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -85,6 +88,76 @@ def run_cpu(case: dict, output_dtype="bfloat16", **options) -> np.ndarray:
 
     return qmoe.fused_moe(**case, output_dtype=output_dtype, **options)
 
+
+
+# ---- helpers of the fused-epilogue tests (test_gpu_fused_epilogue.py, test_gpu_fused_epilogue_fp4.py) ----------
+FUSED_EPILOGUE_ENV = "QMOE_FUSED_EPILOGUE"
+
+
+@contextlib.contextmanager
+def fused_epilogue(enabled):
+    """QMOE_FUSED_EPILOGUE for the calls inside (the pipelines read it on every call): True "1" (fused wherever
+    supported), False "0" (never), None unset (the pipeline's rule)."""
+    old = os.environ.get(FUSED_EPILOGUE_ENV)
+    if enabled is None:
+        os.environ.pop(FUSED_EPILOGUE_ENV, None)
+    else:
+        os.environ[FUSED_EPILOGUE_ENV] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(FUSED_EPILOGUE_ENV, None)
+        else:
+            os.environ[FUSED_EPILOGUE_ENV] = old
+
+
+def fused_moe_dims(case):
+    """(slots, local experts, H, I, GEMM1 rows) of a make_fused_moe_case."""
+    tokens, top_k = case["topk_ids"].shape
+    hidden, inter = case["w2"].shape[1], 2 * case["w2"].shape[2]
+    local = case["num_local_experts"] if case["num_local_experts"] is not None else case["num_experts"]
+    rows1 = inter if case["activation"] == "relu2" else 2 * inter
+    return tokens * top_k, local, hidden, inter, rows1
+
+
+def workspace_offsets(slots, local, hidden, inter, rows1, bf16_operands):
+    """Byte offsets of the fused pipeline's workspace (src/cuda/fused/fused_moe_workspace.h):
+    fused_moe_workspace_layout (w4a8_int4: e4m3 A1 / A2, y, scalars) or, bf16_operands,
+    fused_moe_bf16_w4_workspace_layout (bf16 A1 / A2, y over a1)."""
+    at, off = 0, {}
+
+    def take(name, nbytes):
+        nonlocal at
+        off[name] = at
+        at += (nbytes + 255) // 256 * 256
+
+    take("local_ids", 4 * slots)
+    take("expert_offsets", 4 * (local + 1))
+    take("problem_sizes1", 12 * local)
+    take("problem_sizes2", 12 * local)
+    take("input_permutation", 4 * slots)
+    take("output_permutation", 4 * slots)
+    elem = 2 if bf16_operands else 1
+    take("a1", elem * slots * hidden)
+    take("s1", 4 * slots)
+    take("h", 4 * slots * rows1)
+    take("a2", elem * slots * inter)
+    take("s2", 4 * slots)
+    if not bf16_operands:
+        take("y", 2 * slots * hidden)
+        take("scalars", 16)
+    off["total"] = at
+    return off
+
+
+def expected_offsets(case):
+    """expert_offsets [E_l + 1] of the pipeline's routing (counts of local slots per local expert)."""
+    _, local, *_ = fused_moe_dims(case)
+    keep = local_slots(case)
+    ids = case["topk_ids"].astype(np.int64)[keep] - case["local_expert_offset"]
+    counts = np.bincount(ids, minlength=local)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
 
 
 def fresh_tuner(tune):

@@ -11,7 +11,7 @@ Every case runs the same device data through both paths with a caller-owned work
     both is within qmoe.testing's tolerance of the C++ CPU engine;
   - which path ran: the fused path leaves h's bytes poisoned, the separate path writes them (so a
     silent fallback cannot pass as "bitwise equal").
-The workspace offsets are recomputed here (fused_moe_workspace.h); the routing offsets read back from
+The workspace offsets are recomputed in the tests (gpu_common.workspace_offsets, fused_moe_workspace.h); the routing offsets read back from
 them must equal the ones computed from the routing, which checks the recomputation.
 
 Coverage: every gated activation (swiglu, gpt-oss swiglu_oai, geglu_tanh, situ) and relu2; both
@@ -25,15 +25,15 @@ tactics without the opt-in (and the mma.sync n64 tile) and the switch write h an
 """
 from __future__ import annotations
 
-import contextlib
-import os
 
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_common import ACTIVATION_CASES, ACTIVATION_IDS, local_slots, on_device, require_hopper, run_cpu, to_np  # noqa: E402
+from gpu_common import (  # noqa: E402
+    ACTIVATION_CASES, ACTIVATION_IDS, expected_offsets, fused_epilogue, fused_moe_dims, local_slots, on_device,
+    require_hopper, run_cpu, to_np, workspace_offsets)
 
 torch = require_hopper()
 
@@ -41,7 +41,6 @@ import qmoe  # noqa: E402
 from qmoe import testing  # noqa: E402
 
 MODE = "w4a8_int4"
-ENV = "QMOE_FUSED_EPILOGUE"
 POISON = 0xAA
 DECODE_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256", "decode_m128_n24_k256", "decode_m128_n32_k256",
                   "decode_m64_n8_k512", "decode_m64_n32_k512")
@@ -52,68 +51,11 @@ WGMMA_ENV = "QMOE_WGMMA_FUSED_EPILOGUE"  # the WGMMA tiles' fused epilogue is op
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def fused_epilogue(enabled: bool):
-    """QMOE_FUSED_EPILOGUE for the calls inside (the pipeline reads it on every call)."""
-    old = os.environ.get(ENV)
-    os.environ[ENV] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[ENV]
-        else:
-            os.environ[ENV] = old
-
-
-def workspace_layout(slots, local, hidden, inter, rows1):
-    """fused_moe_workspace_layout (src/cuda/fused/fused_moe_workspace.h): byte offsets."""
-    at, off = 0, {}
-
-    def take(name, nbytes):
-        nonlocal at
-        off[name] = at
-        at += (nbytes + 255) // 256 * 256
-
-    take("local_ids", 4 * slots)
-    take("expert_offsets", 4 * (local + 1))
-    take("problem_sizes1", 12 * local)
-    take("problem_sizes2", 12 * local)
-    take("input_permutation", 4 * slots)
-    take("output_permutation", 4 * slots)
-    take("a1", slots * hidden)
-    take("s1", 4 * slots)
-    take("h", 4 * slots * rows1)
-    take("a2", slots * inter)
-    take("s2", 4 * slots)
-    take("y", 2 * slots * hidden)
-    take("scalars", 16)
-    off["total"] = at
-    return off
-
-
-def dims(case):
-    tokens, top_k = case["topk_ids"].shape
-    hidden, inter = case["w2"].shape[1], 2 * case["w2"].shape[2]
-    local = case["num_local_experts"] if case["num_local_experts"] is not None else case["num_experts"]
-    rows1 = inter if case["activation"] == "relu2" else 2 * inter
-    return tokens * top_k, local, hidden, inter, rows1
-
-
-def expected_offsets(case):
-    """expert_offsets [E_l + 1] of the pipeline's routing (counts of local slots per local expert)."""
-    _, local, *_ = dims(case)
-    keep = local_slots(case)
-    ids = case["topk_ids"].astype(np.int64)[keep] - case["local_expert_offset"]
-    counts = np.bincount(ids, minlength=local)
-    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-
-
 def run(case, dev, fused, deterministic, **options):
     """One GPU call through the chosen path into a poisoned workspace and output. Returns the output
     and the workspace's routing offsets, h, A2 and s2 (valid rows only), all as torch tensors."""
-    slots, local, hidden, inter, rows1 = dims(case)
-    lay = workspace_layout(slots, local, hidden, inter, rows1)
+    slots, local, hidden, inter, rows1 = fused_moe_dims(case)
+    lay = workspace_offsets(slots, local, hidden, inter, rows1, bf16_operands=False)
     ws = torch.full((lay["total"],), POISON, dtype=torch.uint8, device="cuda")
     out = torch.full((case["topk_ids"].shape[0], hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     with fused_epilogue(fused):
@@ -135,7 +77,7 @@ def run(case, dev, fused, deterministic, **options):
 def expected_s2(case, offsets):
     """s2 of the valid rows: a2 * w2_alpha[e] in fp32 (w2_alpha 1 when absent)."""
     a2 = np.float32(case["fc2_input_scale"][0])
-    _, local, *_ = dims(case)
+    _, local, *_ = fused_moe_dims(case)
     alpha = case.get("w2_alpha")
     alpha = np.ones(local, np.float32) if alpha is None else alpha.astype(np.float32)
     counts = np.diff(offsets)
@@ -196,7 +138,7 @@ def make_case(tokens, top_k, experts, activation, layout, params, hidden=256, in
 
 
 def decode_tactics(case):
-    slots, local, hidden, inter, rows1 = dims(case)
+    slots, local, hidden, inter, rows1 = fused_moe_dims(case)
     k = case["topk_ids"].shape[1]
     g1 = qmoe.valid_tactics(rows1, hidden, slots, local, k)
     g2 = qmoe.valid_tactics(hidden, inter, slots, local, k)
@@ -289,7 +231,7 @@ def test_prefill_tactics_fall_back(monkeypatch):
     and the mma.sync n64 tile has no fused epilogue."""
     monkeypatch.delenv(WGMMA_ENV, raising=False)
     case = make_case(40, 4, 8, "swiglu", "up_gate_interleaved64", {}, seed=22)
-    slots, local, hidden, inter, rows1 = dims(case)
+    slots, local, hidden, inter, rows1 = fused_moe_dims(case)
     prefill = [t for t in qmoe.valid_tactics(rows1, hidden, slots, local, 4) if t.startswith("prefill")]
     assert prefill
     cpu = {}
@@ -336,7 +278,7 @@ def test_wgmma_fused_epilogue_matches_separate_path(activation, params, layout, 
     tokens, top_k, experts, hidden, inter, kw = WGMMA_SHAPES[shape]
     case = make_case(tokens, top_k, experts, activation, layout, params, hidden=hidden, inter=inter,
                      seed=3 * tokens + top_k, **kw)
-    slots, local, hidden, inter, rows1 = dims(case)
+    slots, local, hidden, inter, rows1 = fused_moe_dims(case)
     g1 = qmoe.valid_tactics(rows1, hidden, slots, local, top_k)
     g2 = qmoe.valid_tactics(hidden, inter, slots, local, top_k)
     tactics = [t for t in WGMMA_TACTICS if t in g1 and t in g2]

@@ -22,15 +22,15 @@ and match the CPU engine; the switch is read per call.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_common import ACTIVATION_CASES, ACTIVATION_IDS, GPT_OSS, local_slots, on_device, require_hopper, run_cpu, to_np  # noqa: E402
+from gpu_common import (  # noqa: E402
+    ACTIVATION_CASES, ACTIVATION_IDS, expected_offsets, fused_epilogue, fused_moe_dims, GPT_OSS,
+    on_device, require_hopper, run_cpu, to_np, workspace_offsets)
 
 torch = require_hopper()
 
@@ -39,7 +39,6 @@ from qmoe import quant  # noqa: E402
 from qmoe import testing  # noqa: E402
 
 MODES = ("w4a16", "w4a16_int4", "w4a4", "w4a8")
-ENV = "QMOE_FUSED_EPILOGUE"
 POISON = 0xAA
 FUSED_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256")
 
@@ -47,67 +46,9 @@ FUSED_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256")
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def fused_epilogue(enabled):
-    """QMOE_FUSED_EPILOGUE for the calls inside (the pipeline reads it on every call): True "1" (fused
-    wherever supported), False "0" (never), None unset (the pipeline's rule, bf16_act_pays)."""
-    old = os.environ.get(ENV)
-    if enabled is None:
-        os.environ.pop(ENV, None)
-    else:
-        os.environ[ENV] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old
-
-
-def workspace_layout(slots, local, hidden, inter, rows1):
-    """fused_moe_bf16_w4_workspace_layout (src/cuda/fused/fused_moe_workspace.h): byte offsets."""
-    at, off = 0, {}
-
-    def take(name, nbytes):
-        nonlocal at
-        off[name] = at
-        at += (nbytes + 255) // 256 * 256
-
-    take("local_ids", 4 * slots)
-    take("expert_offsets", 4 * (local + 1))
-    take("problem_sizes1", 12 * local)
-    take("problem_sizes2", 12 * local)
-    take("input_permutation", 4 * slots)
-    take("output_permutation", 4 * slots)
-    take("a1", 2 * slots * hidden)
-    take("s1", 4 * slots)
-    take("h", 4 * slots * rows1)
-    take("a2", 2 * slots * inter)
-    take("s2", 4 * slots)
-    off["total"] = at
-    return off
-
-
-def dims(case):
-    tokens, top_k = case["topk_ids"].shape
-    hidden, inter = case["w2"].shape[1], 2 * case["w2"].shape[2]
-    local = case["num_local_experts"] if case["num_local_experts"] is not None else case["num_experts"]
-    rows1 = inter if case["activation"] == "relu2" else 2 * inter
-    return tokens * top_k, local, hidden, inter, rows1
-
-
-def expected_offsets(case):
-    _, local, *_ = dims(case)
-    keep = local_slots(case)
-    ids = case["topk_ids"].astype(np.int64)[keep] - case["local_expert_offset"]
-    counts = np.bincount(ids, minlength=local)
-    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-
-
 def expected_s2(case, offsets):
     """s2 of the valid rows: w2_alpha[e] (1 without it); w4a4 per-token mode excluded (never fused)."""
-    _, local, *_ = dims(case)
+    _, local, *_ = fused_moe_dims(case)
     alpha = case.get("w2_alpha")
     alpha = np.ones(local, np.float32) if alpha is None else alpha.astype(np.float32)
     return np.repeat(alpha, np.diff(offsets)).astype(np.float32)
@@ -115,8 +56,8 @@ def expected_s2(case, offsets):
 
 def run(case, dev, fused, deterministic, **options):
     """One GPU call through the chosen path into a poisoned workspace and output."""
-    slots, local, hidden, inter, rows1 = dims(case)
-    lay = workspace_layout(slots, local, hidden, inter, rows1)
+    slots, local, hidden, inter, rows1 = fused_moe_dims(case)
+    lay = workspace_offsets(slots, local, hidden, inter, rows1, bf16_operands=True)
     ws = torch.full((lay["total"],), POISON, dtype=torch.uint8, device="cuda")
     out = torch.full((case["topk_ids"].shape[0], hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     with fused_epilogue(fused):
