@@ -160,6 +160,46 @@ def expected_offsets(case):
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
 
 
+EPILOGUE_POISON = 0xAA  # the byte the fused-epilogue tests fill the workspace with
+
+
+def run_fused_moe_in_workspace(case, dev, fused, deterministic, bf16_operands, **options):
+    """One qmoe.fused_moe call on the device case `dev` (of the numpy `case`) with QMOE_FUSED_EPILOGUE as
+    `fused` (fused_epilogue), into a caller-owned workspace filled with EPILOGUE_POISON and a NaN-poisoned
+    bf16 output. Returns the output and, read back from the workspace (workspace_offsets), the routing
+    offsets, h, A2 ([rows, I]: int16 bf16 bits, or uint8 e4m3 codes) and s2 of the valid rows."""
+    import torch
+
+    import qmoe
+
+    slots, local, hidden, inter, rows1 = fused_moe_dims(case)
+    lay = workspace_offsets(slots, local, hidden, inter, rows1, bf16_operands)
+    ws = torch.full((lay["total"],), EPILOGUE_POISON, dtype=torch.uint8, device="cuda")
+    out = torch.full((case["topk_ids"].shape[0], hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with fused_epilogue(fused):
+        got = qmoe.fused_moe(**dev, out=out, workspace=ws, deterministic=deterministic, **options)
+    torch.cuda.synchronize()
+    assert got is out
+
+    def region(name, nbytes):
+        return ws[lay[name]:lay[name] + nbytes]
+
+    offsets = region("expert_offsets", 4 * (local + 1)).view(torch.int32).clone()
+    rows = int(offsets[-1])
+    a2 = region("a2", (2 if bf16_operands else 1) * rows * inter).clone()
+    return dict(out=out, offsets=offsets, rows=rows,
+                h=region("h", 4 * rows * rows1).clone(),
+                a2=(a2.view(torch.int16) if bf16_operands else a2).view(rows, inter),
+                s2=region("s2", 4 * rows).view(torch.float32).clone())
+
+
+def bits(t):
+    """The bits of an fp32 / 16-bit tensor, for bitwise comparisons."""
+    import torch
+
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
 def fresh_tuner(tune):
     """A new, empty Tuner for one test. Under compute-sanitizer (QMOE_SANITIZER, set by
     scripts/gpu_tests.sh) each candidate is timed by a single run instead of 2 warm-ups + 5 timed

@@ -32,8 +32,8 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 from gpu_common import (  # noqa: E402
-    ACTIVATION_CASES, ACTIVATION_IDS, expected_offsets, fused_epilogue, fused_moe_dims, local_slots, on_device,
-    require_hopper, run_cpu, to_np, workspace_offsets)
+    ACTIVATION_CASES, ACTIVATION_IDS, bits, EPILOGUE_POISON, expected_offsets, fused_epilogue, fused_moe_dims,
+    local_slots, on_device, require_hopper, run_cpu, run_fused_moe_in_workspace, to_np)
 
 torch = require_hopper()
 
@@ -41,7 +41,7 @@ import qmoe  # noqa: E402
 from qmoe import testing  # noqa: E402
 
 MODE = "w4a8_int4"
-POISON = 0xAA
+POISON = EPILOGUE_POISON
 DECODE_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256", "decode_m128_n24_k256", "decode_m128_n32_k256",
                   "decode_m64_n8_k512", "decode_m64_n32_k512")
 WGMMA_TACTICS = ("prefill_m128_n128_k128", "prefill_m128_n64_k128", "prefill_m128_n32_k128")
@@ -52,26 +52,8 @@ WGMMA_ENV = "QMOE_WGMMA_FUSED_EPILOGUE"  # the WGMMA tiles' fused epilogue is op
 # helpers
 # ------------------------------------------------------------------------------------------------
 def run(case, dev, fused, deterministic, **options):
-    """One GPU call through the chosen path into a poisoned workspace and output. Returns the output
-    and the workspace's routing offsets, h, A2 and s2 (valid rows only), all as torch tensors."""
-    slots, local, hidden, inter, rows1 = fused_moe_dims(case)
-    lay = workspace_offsets(slots, local, hidden, inter, rows1, bf16_operands=False)
-    ws = torch.full((lay["total"],), POISON, dtype=torch.uint8, device="cuda")
-    out = torch.full((case["topk_ids"].shape[0], hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-    with fused_epilogue(fused):
-        got = qmoe.fused_moe(**dev, out=out, workspace=ws, deterministic=deterministic, **options)
-    torch.cuda.synchronize()
-    assert got is out
-
-    def region(name, nbytes):
-        return ws[lay[name]:lay[name] + nbytes]
-
-    offsets = region("expert_offsets", 4 * (local + 1)).view(torch.int32).clone()
-    rows = int(offsets[-1])
-    return dict(out=out, offsets=offsets, rows=rows,
-                h=region("h", 4 * rows * rows1).clone(),
-                a2=region("a2", rows * inter).clone().view(rows, inter),
-                s2=region("s2", 4 * rows).view(torch.float32).clone())
+    """One GPU call through the chosen path (gpu_common.run_fused_moe_in_workspace)."""
+    return run_fused_moe_in_workspace(case, dev, fused, deterministic, False, **options)
 
 
 def expected_s2(case, offsets):
@@ -82,10 +64,6 @@ def expected_s2(case, offsets):
     alpha = np.ones(local, np.float32) if alpha is None else alpha.astype(np.float32)
     counts = np.diff(offsets)
     return np.repeat(a2 * alpha, counts).astype(np.float32)
-
-
-def bits(t):
-    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
 def compare_paths(case, tactic=None, expect_fused=True, cpu=None, **options):

@@ -29,17 +29,16 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 from gpu_common import (  # noqa: E402
-    ACTIVATION_CASES, ACTIVATION_IDS, expected_offsets, fused_epilogue, fused_moe_dims, GPT_OSS,
-    on_device, require_hopper, run_cpu, to_np, workspace_offsets)
+    ACTIVATION_CASES, ACTIVATION_IDS, bits, EPILOGUE_POISON, expected_offsets, fused_moe_dims,
+    GPT_OSS, on_device, require_hopper, run_cpu, run_fused_moe_in_workspace, to_np)
 
 torch = require_hopper()
 
-import qmoe  # noqa: E402
 from qmoe import quant  # noqa: E402
 from qmoe import testing  # noqa: E402
 
 MODES = ("w4a16", "w4a16_int4", "w4a4", "w4a8")
-POISON = 0xAA
+POISON = EPILOGUE_POISON
 FUSED_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256")
 
 
@@ -55,29 +54,8 @@ def expected_s2(case, offsets):
 
 
 def run(case, dev, fused, deterministic, **options):
-    """One GPU call through the chosen path into a poisoned workspace and output."""
-    slots, local, hidden, inter, rows1 = fused_moe_dims(case)
-    lay = workspace_offsets(slots, local, hidden, inter, rows1, bf16_operands=True)
-    ws = torch.full((lay["total"],), POISON, dtype=torch.uint8, device="cuda")
-    out = torch.full((case["topk_ids"].shape[0], hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-    with fused_epilogue(fused):
-        got = qmoe.fused_moe(**dev, out=out, workspace=ws, deterministic=deterministic, **options)
-    torch.cuda.synchronize()
-    assert got is out
-
-    def region(name, nbytes):
-        return ws[lay[name]:lay[name] + nbytes]
-
-    offsets = region("expert_offsets", 4 * (local + 1)).view(torch.int32).clone()
-    rows = int(offsets[-1])
-    return dict(out=out, offsets=offsets, rows=rows,
-                h=region("h", 4 * rows * rows1).clone(),
-                a2=region("a2", 2 * rows * inter).view(torch.int16).clone().view(rows, inter),
-                s2=region("s2", 4 * rows).view(torch.float32).clone())
-
-
-def bits(t):
-    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+    """One GPU call through the chosen path (gpu_common.run_fused_moe_in_workspace)."""
+    return run_fused_moe_in_workspace(case, dev, fused, deterministic, True, **options)
 
 
 def compare_paths(case, tactic=None, expect_fused=True, cpu=None, **options):
