@@ -200,6 +200,27 @@ def bits(t):
     return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
+def assert_same_intermediate(fused, sep, what, want_offsets, expect_fused, deterministic):
+    """The checks both fused-epilogue test modules make on one pair of run_fused_moe_in_workspace results
+    (fused path allowed / kept apart): the routing offsets as expected, which path ran (the separate path
+    writes h, the fused one never does; expect_fused None: not checked), A2 and s2 bit for bit equal, and
+    the deterministic outputs bit for bit equal."""
+    import torch
+
+    for r in (fused, sep):
+        assert np.array_equal(r["offsets"].cpu().numpy(), want_offsets), f"{what}: workspace layout"
+    if fused["rows"] > 0:
+        assert not bool((sep["h"] == EPILOGUE_POISON).all()), f"{what}: separate path left h unwritten"
+        if expect_fused is not None:
+            assert bool((fused["h"] == EPILOGUE_POISON).all()) == expect_fused, \
+                f"{what}: fused epilogue {'not ' if expect_fused else ''}taken"
+    assert torch.equal(fused["a2"], sep["a2"]), \
+        f"{what}: A2 differs in {int((fused['a2'] != sep['a2']).sum())} of {fused['a2'].numel()} values"
+    assert torch.equal(bits(fused["s2"]), bits(sep["s2"])), f"{what}: s2 differs"
+    if deterministic:
+        assert torch.equal(bits(fused["out"]), bits(sep["out"])), f"{what}: deterministic outputs differ"
+
+
 def fresh_tuner(tune):
     """A new, empty Tuner for one test. Under compute-sanitizer (QMOE_SANITIZER, set by
     scripts/gpu_tests.sh) each candidate is timed by a single run instead of 2 warm-ups + 5 timed

@@ -32,8 +32,8 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 from gpu_common import (  # noqa: E402
-    ACTIVATION_CASES, ACTIVATION_IDS, bits, EPILOGUE_POISON, expected_offsets, fused_epilogue, fused_moe_dims,
-    local_slots, on_device, require_hopper, run_cpu, run_fused_moe_in_workspace, to_np)
+    ACTIVATION_CASES, ACTIVATION_IDS, assert_same_intermediate, EPILOGUE_POISON, expected_offsets, fused_epilogue,
+    fused_moe_dims, local_slots, on_device, require_hopper, run_cpu, run_fused_moe_in_workspace, to_np)
 
 torch = require_hopper()
 
@@ -80,23 +80,10 @@ def compare_paths(case, tactic=None, expect_fused=True, cpu=None, **options):
     for deterministic in (True, False):
         fused = run(case, dev, True, deterministic, **opts)
         sep = run(case, dev, False, deterministic, **opts)
-        for r in (fused, sep):
-            assert np.array_equal(r["offsets"].cpu().numpy(), want_offsets), f"{what}: workspace layout"
-        rows = fused["rows"]
-        # which path ran: the separate path writes h, the fused one never does
-        if rows > 0:
-            assert not bool((sep["h"] == POISON).all()), f"{what}: separate path left h unwritten"
-            if expect_fused is not None:
-                assert bool((fused["h"] == POISON).all()) == expect_fused, \
-                    f"{what}: fused epilogue {'not ' if expect_fused else ''}taken"
-        assert torch.equal(fused["a2"], sep["a2"]), \
-            f"{what}: A2 differs in {int((fused['a2'] != sep['a2']).sum())} of {fused['a2'].numel()} codes"
-        assert torch.equal(bits(fused["s2"]), bits(sep["s2"])), f"{what}: s2 differs"
+        assert_same_intermediate(fused, sep, what, want_offsets, expect_fused, deterministic)
         if case.get("fc2_input_scale") is not None:
             assert np.array_equal(fused["s2"].cpu().numpy().view(np.uint32),
                                   expected_s2(case, want_offsets).view(np.uint32)), f"{what}: s2 != a2 * w2_alpha"
-        if deterministic:
-            assert torch.equal(bits(fused["out"]), bits(sep["out"])), f"{what}: deterministic outputs differ"
         if deterministic not in cpu:
             cpu[deterministic] = run_cpu(case, deterministic=deterministic, **options)
         for r, name in ((fused, "fused"), (sep, "separate")):
