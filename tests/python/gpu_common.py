@@ -161,6 +161,15 @@ def expected_offsets(case):
 
 
 EPILOGUE_POISON = 0xAA  # the byte the fused-epilogue tests fill the workspace with
+# Ragged routings of the fused-epilogue tests: name -> (tokens, top_k, experts, make_fused_moe_case keywords).
+EPILOGUE_SHAPES = {
+    "T1": (1, 1, 8, {}),
+    "T1_k8": (1, 8, 64, {}),
+    "T7_empty_expert": (7, 4, 16, dict(empty_expert=3, minus_one=2, out_of_range=2)),
+    "T37_one_expert": (37, 1, 16, dict(expert_range=(5, 6))),
+    "T129_hot_expert": (129, 4, 16, dict(hot_expert=2)),
+    "T33_ep": (33, 2, 16, dict(num_local_experts=6, local_expert_offset=5, expert_range=(3, 13))),
+}
 
 
 def run_fused_moe_in_workspace(case, dev, fused, deterministic, bf16_operands, **options):

@@ -29,8 +29,9 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 from gpu_common import (  # noqa: E402
-    ACTIVATION_CASES, ACTIVATION_IDS, assert_same_intermediate, bits, EPILOGUE_POISON, expected_offsets,
-    fused_moe_dims, GPT_OSS, on_device, require_hopper, run_cpu, run_fused_moe_in_workspace, to_np)
+    ACTIVATION_CASES, ACTIVATION_IDS, assert_same_intermediate, bits, EPILOGUE_POISON, EPILOGUE_SHAPES,
+    expected_offsets, fused_moe_dims, GPT_OSS, on_device, require_hopper, run_cpu, run_fused_moe_in_workspace,
+    to_np)
 
 torch = require_hopper()
 
@@ -105,15 +106,7 @@ def make_case(mode, tokens, top_k, experts, activation, params, layout="up_gate_
 # ------------------------------------------------------------------------------------------------
 # modes x activations x ragged shapes: the n8 / n16 tactics forced and the heuristic's
 # ------------------------------------------------------------------------------------------------
-SHAPES = {
-    # name: (tokens, top_k, experts, make_case keywords)
-    "T1": (1, 1, 8, {}),
-    "T1_k8": (1, 8, 64, {}),
-    "T7_empty_expert": (7, 4, 16, dict(empty_expert=3, minus_one=2, out_of_range=2)),
-    "T37_one_expert": (37, 1, 16, dict(expert_range=(5, 6))),
-    "T129_hot_expert": (129, 4, 16, dict(hot_expert=2)),
-    "T33_ep": (33, 2, 16, dict(num_local_experts=6, local_expert_offset=5, expert_range=(3, 13))),
-}
+SHAPES = EPILOGUE_SHAPES
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
