@@ -11,8 +11,9 @@ Every case runs the same device data through both paths with a caller-owned work
     both is within qmoe.testing's tolerance of the C++ CPU engine;
   - which path ran: the fused path leaves h's bytes poisoned, the separate path writes them (so a
     silent fallback cannot pass as "bitwise equal").
-The workspace offsets are recomputed in the tests (gpu_common.workspace_offsets, fused_moe_workspace.h); the routing offsets read back from
-them must equal the ones computed from the routing, which checks the recomputation.
+The workspace offsets are recomputed in the tests (gpu_common.workspace_offsets, fused_moe_workspace.h); the
+routing offsets read back from them must equal the ones computed from the routing, which checks the
+recomputation.
 
 Coverage: every gated activation (swiglu, gpt-oss swiglu_oai, geglu_tanh, situ) and relu2; both
 gate/up layouts ([gate; up] and up_gate_interleaved64); both weight-scale layouts (H = 256: [E, K/128, N],
