@@ -17,8 +17,9 @@ Coverage: every mode x every activation (swiglu, gpt-oss swiglu_oai, geglu_tanh,
 routing (T = 1, top-k 8 at T = 1, an empty expert with -1 / out-of-range ids, all tokens on one expert, a
 hot expert with several token tiles, EP with local experts) x the n8 / n16 tactics forced and the
 heuristic's; the rule that keeps n8's 3-CTA shape separate when the variable is unset; packed FP4 weights;
-I = 2880 (gpt-oss) and a ReLU^2 I whose last 128-row tile is partial; w1 / w2 alphas and PDL; the fallbacks ([gate; up] layout, w4a4 per-token scales, other tactics) write h
-and match the CPU engine; the switch is read per call.
+I = 2880 (gpt-oss) and a ReLU^2 I whose last 128-row tile is partial; w1 / w2 alphas and PDL; the fallbacks
+([gate; up] layout, w4a4 per-token scales, other tactics) write h and match the CPU engine; the switch is read
+per call.
 """
 from __future__ import annotations
 
