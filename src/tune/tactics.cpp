@@ -56,8 +56,10 @@ const std::vector<Tactic>& compiled() {
       // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
       make(Family::kPrefill, 128, 128, 128),
       // WGMMA with 160-token tiles (the same kernel, m64n160k32): chosen above 48 rows per expert where
-      // its expected tile count wins (wgmma_tile_pays).
+      // its expected tile count wins (cheapest_wgmma_tile).
       make(Family::kPrefill, 128, 160, 128),
+      // WGMMA with 96-token tiles and two K groups in flight per warpgroup (m64n96k32): ~49-88 rows per expert.
+      make(Family::kPrefill, 128, 96, 128),
       // WGMMA with 64-token tiles (two CTAs per SM): chosen for 27-48 rows per expert.
       make(Family::kPrefill, 128, 64, 128),
       // WGMMA with 32-token tiles (the 64-token kernel with 8 stages): chosen for 20-26 rows per expert.
@@ -192,6 +194,10 @@ constexpr int64_t kHopperSms = 132;
 // the 128-token tile needs 4.5, the 160-token one 3.9 (x 1.18 = 4.63): measured 1.04-1.07x slower,
 // predicted 1.03x; at mu = 64 both need 1 tile (160 measured 1.16x slower).
 constexpr double kWgmmaN160TileCost = 1.18;
+// The 96-token tile (two K groups in flight per computing warpgroup, s24g): ~0.84 of a 128-token tile at 64 rows per
+// expert, one tile each (Qwen3-235B GEMM1 T = 1024 478 vs 572 us, Qwen3-30B GEMM1 142 vs 168, GEMM2 84 vs 101;
+// bench/results/2026-12-02_s24d_*), and at 512 rows 1.08x slower (5.8 expected tiles vs 4.5; predicted 1.09x).
+constexpr double kWgmmaN96TileCost = 0.84;
 // The bf16 x 4-bit GEMM's WGMMA tiles (H200, bench/results/2026-12-01_s16c_* and s16d_*): tensor-bound, a 160-token
 // tile costs ~1.25 128-token ones (NVFP4 at 64 rows per expert, one tile each: 1.24-1.28; int4, whose 160-token
 // tile decodes after its wgmmas for want of registers: 1.28-1.42). Measured: 1.28-1.46x faster at 128 rows per
@@ -222,6 +228,14 @@ double expected_token_tiles(double mu, double sigma, int tile) {
 bool wgmma_tile_pays(int tile, double mu, int64_t experts, double cost) {
   const double sigma = std::sqrt(mu * (1.0 - 1.0 / static_cast<double>(experts)));
   return cost * expected_token_tiles(mu, sigma, tile) < expected_token_tiles(mu, sigma, 128);
+}
+// The W4A8 WGMMA token tile (96, 128 or 160) with the fewest expected 128-token-tile costs at mu rows per expert.
+int cheapest_wgmma_tile(double mu, int64_t experts) {
+  const double sigma = std::sqrt(mu * (1.0 - 1.0 / static_cast<double>(experts)));
+  const double n96 = kWgmmaN96TileCost * expected_token_tiles(mu, sigma, 96);
+  const double n128 = expected_token_tiles(mu, sigma, 128);
+  const double n160 = kWgmmaN160TileCost * expected_token_tiles(mu, sigma, 160);
+  return n96 < n128 && n96 < n160 ? 96 : n160 < n128 ? 160 : 128;
 }
 // Feature tiles of 128 weight rows per expert.
 int64_t feature_tiles(int64_t n) { return (n + 127) / 128; }
@@ -282,8 +296,7 @@ Tactic select_tactic(const GemmProblem& problem) {
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {
     t = make(Family::kPrefill, 128, 64, 128);  // WGMMA, 64-token tiles, two CTAs per SM
   } else {
-    t = wgmma_tile_pays(160, mu, experts, kWgmmaN160TileCost) ? make(Family::kPrefill, 128, 160, 128)  // WGMMA, 160
-                                                              : make(Family::kPrefill, 128, 128, 128);  // ... 128
+    t = make(Family::kPrefill, 128, cheapest_wgmma_tile(mu, experts), 128);  // WGMMA, 96 / 128 / 160 tokens
   }
   if (log_enabled()) {
     static std::mutex mutex;

@@ -119,13 +119,18 @@ TEST(Tactics, WgmmaN64From27To48Rows) {
   EXPECT_EQ(chosen(48 * 256), "prefill_m128_n64_k128");  // DeepSeek-V3 T=1536, top-8
 }
 
-TEST(Tactics, WgmmaN128From49Rows) {
-  EXPECT_EQ(chosen(48 * 256 + 1), "prefill_m128_n128_k128");
-  EXPECT_EQ(chosen(64 * 256), "prefill_m128_n128_k128");
-  EXPECT_EQ(chosen(1024 * 8, 128), "prefill_m128_n128_k128");  // Qwen3-235B T=1024: 64 rows per expert
-  EXPECT_EQ(chosen(256 * 2, 8), "prefill_m128_n128_k128");      // Mixtral T=256: 64 rows per expert
-  EXPECT_EQ(chosen(100 * 256), "prefill_m128_n128_k128");       // both tiles: one token tile per expert
-  EXPECT_EQ(chosen(512 * 128, 128), "prefill_m128_n128_k128");  // Qwen3 T=8192: 4.5 vs 3.9 x 1.18 tiles
+// The 96-token tile (two K groups in flight, 0.84 of a 128-token tile) while one of it covers most experts (s24g).
+TEST(Tactics, WgmmaN96From49Rows) {
+  EXPECT_EQ(chosen(48 * 256 + 1), "prefill_m128_n96_k128");
+  EXPECT_EQ(chosen(64 * 256), "prefill_m128_n96_k128");
+  EXPECT_EQ(chosen(1024 * 8, 128), "prefill_m128_n96_k128");  // Qwen3-235B T=1024: 64 rows per expert
+  EXPECT_EQ(chosen(256 * 2, 8), "prefill_m128_n96_k128");      // Mixtral T=256: 64 rows per expert
+  EXPECT_EQ(chosen(80 * 256), "prefill_m128_n96_k128");        // 80 rows: 1.04 x 0.84 vs 1.0 expected tiles
+}
+
+TEST(Tactics, WgmmaN128Between) {
+  EXPECT_EQ(chosen(100 * 256), "prefill_m128_n128_k128");       // 100 rows: 1.65 x 0.84 vs 1.0 expected tiles
+  EXPECT_EQ(chosen(512 * 128, 128), "prefill_m128_n128_k128");  // Qwen3 T=8192: 5.8 x 0.84, 4.5, 3.9 x 1.18 tiles
   EXPECT_EQ(qmoe::select_tactic(problem(32768)).family, qmoe::Tactic::Family::kPrefill);
 }
 
@@ -150,7 +155,7 @@ TEST(Tactics, EstimateUsesExpertCount) {
 
 // More rows per expert never pick a smaller token tile (for a fixed model shape), in both GEMMs: the
 // thresholds stay ordered whatever the expert count and N (one-wave rules included). The one exception:
-// above 48 rows the 128- and 160-token WGMMA tiles alternate with the expected token-tile count.
+// above 48 rows the 96-, 128- and 160-token WGMMA tiles alternate with the expected token-tile count.
 TEST(Tactics, TokenTileGrowsWithRows) {
   for (bool bf16 : {false, true}) {
     for (int64_t experts : {1, 8, 16, 33, 34, 64, 128, 256, 1024}) {
@@ -162,7 +167,7 @@ TEST(Tactics, TokenTileGrowsWithRows) {
           const qmoe::Tactic t = qmoe::select_tactic(p);
           EXPECT_GE(t.tile_n, last) << (bf16 ? "bf16 " : "w4a8 ") << experts << " experts, N " << n << ", "
                                     << rows_per_expert << " rows: " << t.name();
-          last = t.tile_n == 160 ? 128 : t.tile_n;
+          last = t.tile_n >= 96 ? (bf16 ? 128 : 96) : t.tile_n;
         }
       }
     }
@@ -193,7 +198,7 @@ TEST(Tactics, NoValidTacticOutsideLimits) {
 
 TEST(Tactics, NameRoundTrip) {
   auto valid = qmoe::valid_tactics(problem(8));
-  EXPECT_EQ(valid.size(), 11u);
+  EXPECT_EQ(valid.size(), 12u);
   for (const auto& t : valid) {
     EXPECT_EQ(qmoe::parse_tactic(t.name()), t);
     EXPECT_EQ(qmoe::parse_tactic(t.name()).name(), t.name());

@@ -107,10 +107,11 @@ bool is_tactic(const Tactic& tactic, Tactic::Family f, int m, int n, int k) {
   return tactic.family == f && tactic.tile_m == m && tactic.tile_n == n && tactic.tile_k == k && tactic.split_k == 1;
 }
 
-// The WGMMA tactics (prefill_m128_n{160,128,64,32}_k128: sm90_grouped_gemm_w4a8_int4_wgmma.cu).
+// The WGMMA tactics (prefill_m128_n{160,128,96,64,32}_k128: sm90_grouped_gemm_w4a8_int4_wgmma.cu).
 bool is_wgmma(const Tactic& tactic) {
   return is_tactic(tactic, Tactic::Family::kPrefill, 128, 160, 128) ||
          is_tactic(tactic, Tactic::Family::kPrefill, 128, 128, 128) ||
+         is_tactic(tactic, Tactic::Family::kPrefill, 128, 96, 128) ||
          is_tactic(tactic, Tactic::Family::kPrefill, 128, 64, 128) ||
          is_tactic(tactic, Tactic::Family::kPrefill, 128, 32, 128);
 }
@@ -196,7 +197,7 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   } else if (is(Family::kPrefill, 128, 64, 256)) {
     launch<2, 2, 4, 4, 2, 3, 2, 1>(params, fp32_out, rows, device, stream);  // 8 warps x ~170 registers: one CTA per SM
   } else if (is_wgmma(tactic)) {
-    // WGMMA kernel (sm90_grouped_gemm_w4a8_int4_wgmma.cu): 128 weight rows x 160, 128, 64 or 32 tokens.
+    // WGMMA kernel (sm90_grouped_gemm_w4a8_int4_wgmma.cu): 128 weight rows x 160, 128, 96, 64 or 32 tokens.
     // The pipeline scatters only with decode tiles (moe_pipeline_steps.cu fused_finalize_scatter).
     QMOE_CHECK_ARG(scatter.out == nullptr, "scatter", "no scatter with a WGMMA tactic", tactic.name());
     launch_w4a8_wgmma_prefill(wgmma_params(params), rows, tactic.tile_n, fp32_out, stream);
@@ -211,7 +212,8 @@ bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activ
                       is_tactic(tactic, Family::kDecode, 128, 24, 256) || is_tactic(tactic, Family::kDecode, 128, 32, 256) ||
                       is_tactic(tactic, Family::kDecode, 64, 8, 512) || is_tactic(tactic, Family::kDecode, 64, 32, 512);
   if (!(decode || is_wgmma(tactic)) || inter <= 0) return false;
-  if (tactic.tile_n == 160) return false;  // the 160-token WGMMA tile has no park (shared memory)
+  // the 160-token WGMMA tile has no park (shared memory); the 96-token one (two groups in flight) has no fused epilogue
+  if (tactic.tile_n == 160 || tactic.tile_n == 96) return false;
   // Gated: a tile's F = TILE_M / 2 (64 or 32) features never straddle I nor an interleaved 64-group.
   if (activation != Activation::kRelu2) return n == 2 * inter && inter % 64 == 0;
   return n == inter && inter % 2 == 0;  // 2-byte stores of feature pairs

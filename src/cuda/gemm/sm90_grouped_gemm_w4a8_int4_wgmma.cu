@@ -11,9 +11,12 @@
 // by the tensor cores from shared memory (B operand, K-major, 128-byte swizzle). One pipeline stage
 // is one K group: 16 KB of activations, 8 KB of weights, the tile's scales, loaded STAGES ahead, across
 // tile boundaries. Two kernels (same math, same bits):
-//   wgmma_ws       128- and 160-token tiles (m64n128k32 / m64n160k32): warp-specialized, a loading
+//   wgmma_ws       96-, 128- and 160-token tiles (m64n{96,128,160}k32): warp-specialized, a loading
 //                  warpgroup (per-stage mbarriers) and two computing warpgroups that run out of step,
-//                  6 stages; the 160-token tile has no fused activation epilogue (its park would not fit);
+//                  6 stages (96 tokens: 8); the 160-token tile has no fused activation epilogue (its park
+//                  would not fit); the 96-token tile keeps two K groups in flight per computing warpgroup
+//                  (kTwoGroupsInFlight: a second partial accumulator, which only fits at up to 96 tokens) and
+//                  has no fused epilogue either;
 //   wgmma_prefill  64- and 32-token tiles (wgmma m64n64k32 / m64n32k32), for experts with fewer rows: all
 //                  warps compute in step, two CTAs per SM.
 // Both load a stage by TMA from one thread: the activation box, the weights and the scales as two 64-row
@@ -93,6 +96,16 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint32_t a0, ui
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(accumulate));
 }
 
+// d (64 x 96 fp32 per warpgroup) (+)= A (64 x 32 e4m3, registers) * B^T (96 x 32 e4m3, smem).
+__device__ __forceinline__ void wgmma_m64n96k32(float (&d)[48], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                uint32_t a3, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(accumulate));
+}
+
 // d (64 x 64 fp32 per warpgroup) (+)= A (64 x 32 e4m3, registers) * B^T (64 x 32 e4m3, smem).
 __device__ __forceinline__ void wgmma_m64n64k32(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
                                                 uint32_t a3, uint64_t desc_b, int accumulate) {
@@ -118,6 +131,7 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[TILE_N / 2], uint32_t a0, u
                                           uint64_t desc_b, int accumulate) {
   if constexpr (TILE_N == 160) wgmma_m64n160k32(d, a0, a1, a2, a3, desc_b, accumulate);
   else if constexpr (TILE_N == 128) wgmma_m64n128k32(d, a0, a1, a2, a3, desc_b, accumulate);
+  else if constexpr (TILE_N == 96) wgmma_m64n96k32(d, a0, a1, a2, a3, desc_b, accumulate);
   else if constexpr (TILE_N == 64) wgmma_m64n64k32(d, a0, a1, a2, a3, desc_b, accumulate);
   else wgmma_m64n32k32(d, a0, a1, a2, a3, desc_b, accumulate);
 }
@@ -275,6 +289,11 @@ constexpr int kThreads = 128 * (1 + kConsumers);  // + the loading warpgroup
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // setmaxnreg: 128 * 56 + 256 * 224 = 384 * 168
 // Convert the next stage's weights while this stage's wgmmas run (else after their wait).
 constexpr bool kOverlapConvert = true;
+// Two K groups in flight per computing warpgroup (tiles of up to 96 tokens: acc + two partials + two operands fit
+// the registers): group g + 1's wgmmas are issued before group g's are waited for, so the wait, the stage release,
+// the next conversion and the promotion of g run while g + 1 is on the tensor cores. Same bits as one group in
+// flight; 4-8% faster at 64 rows per expert (bench/results/2026-12-02_s24d_*).
+constexpr bool kTwoGroupsInFlight = true;
 
 // kAct: the fused activation epilogue's park (h of one tile, TILE_N x 128 fp32) after the work list.
 template <int TILE_N, bool kAct = false>
@@ -283,9 +302,10 @@ struct Shape {
   static constexpr int kStageA = TILE_N * kGroup;
   static constexpr int kStageBytes = kStageA + kStageW + kStageS;
   // 128-token tiles: 6 stages (H200, bench/results/2026-11-30_s5a_*: 1-4% faster than 8 at T = 4096, the
-  // same at 256-1024); 160-token tiles: 6 (29 KB each); 64-token tiles: 12.
-  static_assert(TILE_N == 64 || TILE_N == 128 || (TILE_N == 160 && !kAct), "wgmma N; no park for 160 tokens");
-  static constexpr int kStages = TILE_N >= 128 ? 6 : 12;
+  // same at 256-1024); 160-token tiles: 6 (29 KB each); 96-token tiles: 8 (21 KB); 64-token tiles: 12.
+  static_assert(TILE_N == 64 || TILE_N == 96 || TILE_N == 128 || (TILE_N == 160 && !kAct),
+                "wgmma N; no park for 160 tokens");
+  static constexpr int kStages = TILE_N >= 128 ? 6 : TILE_N == 96 ? 8 : 12;
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
   static constexpr int kBarrierBytes = 2 * kStages * 8;
   static constexpr int kParkOffset = (kStages * kStageBytes + kBarrierBytes + kTileStartBytes + 15) / 16 * 16;
@@ -404,6 +424,77 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   };
 
   GroupedTile t{0, 0, 0, 0};
+  if constexpr (kTwoGroupsInFlight && !kAct && TILE_N <= 96) {
+    float part_b[S::kAcc];
+#pragma unroll
+    for (int i = 0; i < S::kAcc; ++i) part[i] = part_b[i] = 0.f;  // defined before any wgmma
+    // Group `it`'s wgmmas on `a` into `pt` (its stage has landed).
+    auto issue = [&](int it, uint32_t(&a)[4][4], float(&pt)[S::kAcc]) {
+      const uint64_t desc = wgmma::make_desc_sw128(wgmma::smem_u32(stages + (it % kStages) * S::kStageBytes));
+      wgmma::wgmma_fence();
+      wgmma::fence_operands(pt);
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        wgmma_prefill::wgmma_k32<TILE_N>(pt, a[k][0], a[k][1], a[k][2], a[k][3], desc + 2 * k, k > 0);
+      wgmma::wgmma_commit();  // (pt is not touched again before the wait that retires this group)
+    };
+    TileStep step_at;
+    // Step it: group it is in flight into pt on a; group it + 1's operand is in a_next (its stage landed).
+    // kNext (compile time, so that every path of the loop has the same groups in flight): issue group it + 1.
+    auto step = [&](auto next, int it, uint32_t(&a)[4][4], uint32_t(&a_next)[4][4], float(&pt)[S::kAcc],
+                    float(&pt_next)[S::kAcc]) {
+      constexpr bool kNext = decltype(next)::value;
+      const int g = step_at.k, tile_index = step_at.tile, s = it % kStages;
+      if (g == 0) t = tiles[tile_index];
+      step_at.advance(groups);
+      const __nv_bfloat16* ss =
+          reinterpret_cast<const __nv_bfloat16*>(stages + s * S::kStageBytes + S::kStageA + kStageW);
+      const float s0 = wgmma::group_scale(ss, p.scales_packed4, r0, g);
+      const float s1 = wgmma::group_scale(ss, p.scales_packed4, r1, g);
+      if constexpr (kNext) {
+        issue(it + 1, a_next, pt_next);
+        wgmma::wgmma_wait<1>();
+      } else {
+        wgmma::wgmma_wait<0>();
+      }
+      wgmma::fence_operands(pt);
+      mbar_arrive(&empty[s]);  // group it's wgmmas are done; its weights and scales are in registers
+      if (it + 2 < total_iters) {
+        wait_full(it + 2);
+        convert(it + 2, a);  // a is free: group it's wgmmas have completed
+      }
+      wgmma::promote_group(acc, pt, s0, s1);
+      if (g == groups - 1) {
+        float sc[TILE_N / 4];
+        wgmma::load_tile_scales<TILE_N>(p, t, tig, sc);
+        wgmma::store_tile<OutT, TILE_N>(p, t, acc, sc, r0, tig);
+      }
+    };
+    using Next = std::true_type;
+    using Last = std::false_type;
+    uint32_t a_even[4][4], a_odd[4][4];
+    if (total_iters > 0) {  // (always: the list is not empty and K has a group)
+      wait_full(0);
+      convert(0, a_even);
+      issue(0, a_even, part);
+      if (total_iters > 1) {
+        wait_full(1);
+        convert(1, a_odd);
+      }
+      int it = 0;
+      for (; it + 2 < total_iters; it += 2) {  // group it in flight in part at every iteration's start
+        step(Next{}, it, a_even, a_odd, part, part_b);
+        step(Next{}, it + 1, a_odd, a_even, part_b, part);
+      }
+      if (total_iters - it == 2) {
+        step(Next{}, it, a_even, a_odd, part, part_b);
+        step(Last{}, it + 1, a_odd, a_even, part_b, part);
+      } else {
+        step(Last{}, it, a_even, a_odd, part, part_b);
+      }
+    }
+    return;
+  }
   // One K group: its wgmmas on the A operand `a` (converted earlier); while they run, the next
   // stage's weights become `a_next` (kOverlapConvert), then the promotion. Stage it + 1 is waited for
   // before the wgmmas are issued: inside the window there are only shared-memory loads and ALU work.
@@ -473,7 +564,7 @@ namespace {
 template <class OutT>
 constexpr bool kActOut = std::is_same<OutT, ActE4m3>::value;
 
-// 128-token tiles: the warp-specialized kernel (1.1-1.25x faster on the H200 at DeepSeek-V3,
+// 96-, 128- and 160-token tiles: the warp-specialized kernel (1.1-1.25x faster on the H200 at DeepSeek-V3,
 // Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_s3_h200_wgmma_ws.md); 64- and 32-token
 // tiles keep the two-CTAs-per-SM kernel, which measured 1-5% faster at 64 (127 registers and ~90 KB: two
 // CTAs fit on an SM, and both are used; its warp-specialized version was 4-13% slower, s13b).
@@ -481,7 +572,7 @@ template <class OutT, int TILE_N, class Base>
 void launch_typed(const Base& params, int64_t rows, cudaStream_t stream) {
   const auto tp = tma_params(params, rows, TILE_N);
   constexpr bool kAct = kActOut<OutT>;
-  if constexpr (TILE_N >= 128) {
+  if constexpr (TILE_N >= 96) {
     launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, kAct>::kSmemBytes,
                                                       stream, tp, "w4a8 wgmma prefill");
   } else {
@@ -494,8 +585,8 @@ void launch_typed(const Base& params, int64_t rows, cudaStream_t stream) {
 
 void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int tile_n, bool fp32_out,
                                cudaStream_t stream) {
-  QMOE_CHECK_ARG(tile_n == 32 || tile_n == 64 || tile_n == 128 || tile_n == 160, "tactic",
-                 "a WGMMA token tile of 32, 64, 128 or 160", std::to_string(tile_n));
+  QMOE_CHECK_ARG(tile_n == 32 || tile_n == 64 || tile_n == 96 || tile_n == 128 || tile_n == 160, "tactic",
+                 "a WGMMA token tile of 32, 64, 96, 128 or 160", std::to_string(tile_n));
   auto launch = [&](auto tile) {
     constexpr int kTileN = decltype(tile)::value;
     if (fp32_out) launch_typed<float, kTileN>(params, rows, stream);
@@ -503,6 +594,7 @@ void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int 
   };
   if (tile_n == 160) launch(std::integral_constant<int, 160>{});
   else if (tile_n == 128) launch(std::integral_constant<int, 128>{});
+  else if (tile_n == 96) launch(std::integral_constant<int, 96>{});
   else if (tile_n == 64) launch(std::integral_constant<int, 64>{});
   else launch(std::integral_constant<int, 32>{});
 }
