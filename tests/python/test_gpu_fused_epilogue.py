@@ -198,12 +198,14 @@ def test_prefill_tactics_fall_back(monkeypatch):
         cpu = compare_paths(case, tactic, expect_fused=False, cpu=cpu)
 
 
-def test_wgmma_n160_falls_back_even_when_enabled(monkeypatch):
-    """The 160-token WGMMA tile has no fused epilogue (its park would not fit in shared memory): with
-    QMOE_WGMMA_FUSED_EPILOGUE=1 it keeps the separate kernels (h written) and the same results."""
+@pytest.mark.parametrize("tactic", ["prefill_m128_n160_k128", "prefill_m128_n96_k128"])
+def test_wgmma_tiles_without_park_fall_back_even_when_enabled(monkeypatch, tactic):
+    """The 160-token WGMMA tile has no fused epilogue (its park would not fit in shared memory), nor the
+    96-token one (two K groups in flight): with QMOE_WGMMA_FUSED_EPILOGUE=1 they keep the separate kernels
+    (h written) and the same results."""
     monkeypatch.setenv(WGMMA_ENV, "1")
     case = make_case(129, 4, 16, "swiglu", "gate_up", {}, hidden=256, inter=384, seed=24, hot_expert=2)
-    compare_paths(case, "prefill_m128_n160_k128", expect_fused=False)
+    compare_paths(case, tactic, expect_fused=False)
 
 
 def test_switch_is_read_per_call():
