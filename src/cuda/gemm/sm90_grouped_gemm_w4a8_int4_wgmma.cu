@@ -455,7 +455,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
         issue(it + 1, a_next, pt_next);
         wgmma::wgmma_wait<1>();
       } else {
-        wgmma::wgmma_wait<0>();
+        wgmma::wgmma_wait_all();
       }
       wgmma::fence_operands(pt);
       mbar_arrive(&empty[s]);  // group it's wgmmas are done; its weights and scales are in registers
