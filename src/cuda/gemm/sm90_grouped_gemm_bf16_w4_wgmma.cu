@@ -60,7 +60,11 @@ struct Params : Bf16W4Params {
 
 constexpr int kConsumers = 2;                           // computing warpgroups, 64 weight rows each
 constexpr int kThreads = 128 * (1 + kConsumers);        // + the loading warpgroup
-constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // setmaxnreg: 128 * 40 + 256 * 232 <= 65536
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // setmaxnreg: 128 * 40 + 256 * 232 = 384 * 168
+// NOTE: setmaxnreg only moves registers within the CTA's launch allocation (kThreads x the launch bound's per-thread
+// maximum, 168 at 384 threads); a split above it makes setmaxnreg.inc wait forever (an A/B run hung so, session 25).
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
+              "setmaxnreg split within the launch allocation");
 constexpr int kStageS = 1024;  // int4 packed-4: 128 rows x 8 bytes; NVFP4: two 512-byte chunks
 
 // TILE_N tokens per tile (the wgmma N): 64, 128 or 160, chosen by expected token tiles per expert (tactics.cpp).

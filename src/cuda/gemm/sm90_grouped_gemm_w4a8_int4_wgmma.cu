@@ -287,6 +287,10 @@ using namespace wgmma;  // (wgmma_building_blocks.cuh)
 constexpr int kConsumers = 2;                     // compute warpgroups, 64 weight rows each
 constexpr int kThreads = 128 * (1 + kConsumers);  // + the loading warpgroup
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // setmaxnreg: 128 * 56 + 256 * 224 = 384 * 168
+// NOTE: setmaxnreg only moves registers within the CTA's launch allocation (kThreads x the launch bound's per-thread
+// maximum, 168 at 384 threads); a split above it makes setmaxnreg.inc wait forever (an A/B run hung so, session 25).
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
+              "setmaxnreg split within the launch allocation");
 // Convert the next stage's weights while this stage's wgmmas run (else after their wait).
 constexpr bool kOverlapConvert = true;
 // Two K groups in flight per computing warpgroup (tiles of up to 96 tokens: acc + two partials + two operands fit
