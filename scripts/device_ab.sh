@@ -9,7 +9,7 @@
 # QMOE_AB_T="1,8,64,256", QMOE_AB_TACTIC=heuristic (or a tactic name), QMOE_AB_CHECK=1 (each binary's
 # correctness checks first: every tactic vs the CPU reference), QMOE_AB_MAX_T=512 (bf16 binaries),
 # QMOE_AB_TIMEOUT=<s> (per binary and run; default 150 for the checks, 120 for the timing: lower it for a
-# new kernel that might hang).
+# new kernel that might hang; a binary that times out once is not run again in its list).
 # Output: stdout and $OUT/ab.log (appended). Binaries of whole commits (a branch against main): scripts/build_ab_revs.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,16 +34,26 @@ run_list() {
   else
     echo "== $list (shapes gemm<i> = i-th of $QMOE_BENCH_SHAPES; T $QMOE_BENCH_T; tactic $QMOE_BENCH_TACTIC)"
   fi
+  local hung=" " out rc
   for b in "${bins[@]}" "${bins[0]}"; do
     local name=${b##*/}
+    # A binary that ran into the timeout once (a hang: a new kernel's barrier protocol) is not run again.
+    if [[ "$hung" == *" $name "* ]]; then echo "$name: skipped (timed out before)"; continue; fi
     if [[ "${QMOE_AB_CHECK:-0}" == 1 ]]; then
-      echo "$name check: $(timeout "${QMOE_AB_TIMEOUT:-150}" "$b" 2>&1 | grep -E '^correctness')"
+      out=$(timeout "${QMOE_AB_TIMEOUT:-150}" "$b" 2>&1); rc=$?
+      echo "$name check: $(grep -E '^correctness' <<< "$out")"
+      if [[ $rc == 124 ]]; then echo "$name: TIMED OUT (${QMOE_AB_TIMEOUT:-150} s)"; hung+="$name "; continue; fi
     fi
+    local args=(--bench-only)
     if [[ "$name" == bf16_* ]]; then
-      echo "$name: $(timeout "${QMOE_AB_TIMEOUT:-120}" "$b" --bench-only "${QMOE_AB_MAX_T:-512}" 2>&1 | grep -E '^\| [a-z0-9]+ +\| gemm' | grep '\*' | awk -F'|' '$4 ~ /[0-9]/ {gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/ /, "", $4); gsub(/ /, "", $6); printf "%s/%s/T%s %s; ", $2, $3, $4, $6}')"
+      args+=("${QMOE_AB_MAX_T:-512}")
+      filter() { grep -E '^\| [a-z0-9]+ +\| gemm' | grep '\*' | awk -F'|' '$4 ~ /[0-9]/ {gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/ /, "", $4); gsub(/ /, "", $6); printf "%s/%s/T%s %s; ", $2, $3, $4, $6}'; }
     else
-      echo "$name: $(timeout "${QMOE_AB_TIMEOUT:-120}" "$b" --bench-only 2>&1 | grep '^| gemm' | awk -F'|' '{gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/ /, "", $5); printf "%s/T%s %s; ", $2, $3, $5}')"
+      filter() { grep '^| gemm' | awk -F'|' '{gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/ /, "", $5); printf "%s/T%s %s; ", $2, $3, $5}'; }
     fi
+    out=$(timeout "${QMOE_AB_TIMEOUT:-120}" "$b" "${args[@]}" 2>&1); rc=$?
+    echo "$name: $(filter <<< "$out")"
+    if [[ $rc == 124 ]]; then echo "$name: TIMED OUT (${QMOE_AB_TIMEOUT:-120} s)"; hung+="$name "; fi
   done
 }
 # Everything also goes to $OUT/ab.log (the device tool returns it): a long run's stdout tail is cut.
