@@ -19,7 +19,9 @@
 # ('|' separates the expressions, so it cannot appear inside one.) A sed expression that changes nothing
 # or that sed rejects is an error (a stale list would silently measure the base).
 # The library comes from build/ab_lib (configured with the CUDA kernels on first use, then rebuilt
-# incrementally, ~30 s on 2 cores); CUTLASS_DIR defaults to .dev/cutlass.
+# incrementally, ~30 s on 2 cores); CUTLASS_DIR defaults to .dev/cutlass. With cuobjdump (CUOBJDUMP=<path>; the pip
+# wheel nvidia-cuda-cuobjdump ships one) each variant also reports its tensor-core instruction count: a drop against
+# base means ptxas deleted MMAs whose results the variant never reads.
 # Then on the device: run `bash scripts/device_ab.sh` with carry [".dev/ab"].
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +52,7 @@ CUTLASS_DIR=${CUTLASS_DIR:-$PWD/.dev/cutlass}
 NVCC_FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr"
 NVCC="nvcc $NVCC_FLAGS -Iinclude -Isrc -I$CUTLASS_DIR/include"
 HOST_CXX=$([[ -x /usr/bin/g++ ]] && echo /usr/bin/g++ || command -v g++)
+CUOBJDUMP=${CUOBJDUMP:-cuobjdump}  # optional (the pip wheel nvidia-cuda-cuobjdump has one)
 
 # QMOE_AB_LIB: an already built libqmoe.a of this tree (e.g. build/py/libqmoe.a from scripts/setup.sh), which
 # saves configuring and building build/ab_lib.
@@ -99,7 +102,13 @@ while IFS= read -r line; do
     $NVCC -ccbin "$HOST_CXX" -o "$OUTDIR/$PREFIX$name" "$CHECK" "${objs[@]}" "$LIB" -lpthread -ldl \
       || exit 1
     spills=$(grep -cE "[1-9][0-9]* bytes spill stores" "$log" || true)
-    echo "built $OUTDIR/$PREFIX$name (kernels with spills: $spills)"
+    # Tensor-core instructions in the variant's SASS (when cuobjdump is around): a variant whose MMA results
+    # are never read loses its wgmmas to dead-code elimination, and then times an empty pipeline (session 25).
+    mma=""
+    if command -v "$CUOBJDUMP" > /dev/null 2>&1; then
+      mma=", tensor-core instructions: $(for o in "${objs[@]}"; do "$CUOBJDUMP" -sass "$o"; done | grep -cE "[QH]GMMA|HMMA|IMMA")"
+    fi
+    echo "built $OUTDIR/$PREFIX$name (kernels with spills: $spills$mma)"
   ); then echo "variant $name FAILED to build: see $log (grep error)"; fi &
   while (( $(jobs -rp | wc -l) >= $(nproc) )); do wait -n || true; done
 done < "$LIST"
