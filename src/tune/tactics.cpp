@@ -223,18 +223,21 @@ double expected_token_tiles(double mu, double sigma, int tile) {
     tiles += 0.5 * std::erfc((j * tile - mu) / (sigma * std::sqrt(2.0)));
   return tiles;
 }
-// Whether a `tile`-token WGMMA tile beats the 128-token one at mu rows per expert (of `experts`), one such
-// tile costing `cost` 128-token ones.
-bool wgmma_tile_pays(int tile, double mu, int64_t experts, double cost) {
+// The expected `tile`-token tiles per expert at mu rows per expert (of `experts`; uniform routing: rows ~ normal with
+// variance mu (1 - 1 / E)), in 128-token tiles: one such tile costs `cost` of them.
+double wgmma_tiles_cost(int tile, double cost, double mu, int64_t experts) {
   const double sigma = std::sqrt(mu * (1.0 - 1.0 / static_cast<double>(experts)));
-  return cost * expected_token_tiles(mu, sigma, tile) < expected_token_tiles(mu, sigma, 128);
+  return cost * expected_token_tiles(mu, sigma, tile);
+}
+// Whether a `tile`-token WGMMA tile beats the 128-token one.
+bool wgmma_tile_pays(int tile, double mu, int64_t experts, double cost) {
+  return wgmma_tiles_cost(tile, cost, mu, experts) < wgmma_tiles_cost(128, 1.0, mu, experts);
 }
 // The W4A8 WGMMA token tile (96, 128 or 160) with the fewest expected 128-token-tile costs at mu rows per expert.
 int cheapest_wgmma_tile(double mu, int64_t experts) {
-  const double sigma = std::sqrt(mu * (1.0 - 1.0 / static_cast<double>(experts)));
-  const double n96 = kWgmmaN96TileCost * expected_token_tiles(mu, sigma, 96);
-  const double n128 = expected_token_tiles(mu, sigma, 128);
-  const double n160 = kWgmmaN160TileCost * expected_token_tiles(mu, sigma, 160);
+  const double n96 = wgmma_tiles_cost(96, kWgmmaN96TileCost, mu, experts);
+  const double n128 = wgmma_tiles_cost(128, 1.0, mu, experts);
+  const double n160 = wgmma_tiles_cost(160, kWgmmaN160TileCost, mu, experts);
   return n96 < n128 && n96 < n160 ? 96 : n160 < n128 ? 160 : 128;
 }
 // Feature tiles of 128 weight rows per expert.

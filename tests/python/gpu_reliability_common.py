@@ -27,10 +27,6 @@ RUNS = 3 if SANITIZER else 20
 # Fused quant modes under test. A mode whose GPU pipeline is not built yet skips (gpu_mode), so a
 # new GPU mode is covered as soon as it lands; a new mode name is one line here.
 FUSED_MODES = ["w4a8_int4", "w4a16_int4", "w4a16", "w4a4", "w4a8"]
-# w4a8_int4 GEMM tactics on Hopper WGMMA; the others use mma.sync (a different fp32 summation). The
-# bf16 x 4-bit modes have their own WGMMA tile (qmoe.tune.mma_family).
-WGMMA_TACTICS = {"prefill_m128_n160_k128", "prefill_m128_n128_k128", "prefill_m128_n96_k128", "prefill_m128_n64_k128",
-                 "prefill_m128_n32_k128"}
 TACTICS = qmoe.valid_tactics(256, 256, 64, 8)
 POISON_I32 = int(np.array([0xAAAAAAAA], np.uint32).view(np.int32)[0])
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
