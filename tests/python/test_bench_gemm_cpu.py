@@ -66,3 +66,30 @@ def test_markdown_ends_with_the_summary():
     assert text.startswith("# title")
     assert "| m | gemm1 | 1 | 8 | 8 | 256 | 128 | 10.0 |" in text
     assert text.rstrip().endswith("- faster than torch fp8: 1 / 1")
+
+
+def test_sglang_check_uses_the_time_at_its_own_expert_hit_count():
+    # SGLang's Mixtral T=8 run hit 5 experts, ours 8: the raw times compare different weight bytes.
+    r = _row(us=136.6, sgl=123.5)
+    assert _check(r)["faster than SGLang"] is False
+    r.update(sglang_hit=5, qmoe_us_sglang_hit=90.0)
+    assert _check(r)["faster than SGLang"] is True
+    detail = {name: d for name, _, d in gemm.target_checks(r, 1000.0)}["faster than SGLang"]
+    assert detail == "0.73x its time at its 5 experts hit"
+    r["qmoe_us_sglang_hit"] = 124.0
+    assert _check(r)["faster than SGLang"] is False
+    assert "(hit 5: qmoe 124.0)" in gemm.markdown([r], ["# t"], 1000.0)
+
+
+def test_routing_with_hit_covers_exactly_that_many_distinct_experts():
+    import numpy as np
+    from qmoe.bench.common import routing_with_hit
+
+    for tokens, topk, experts, hit in [(8, 2, 8, 5), (8, 8, 256, 59), (1, 8, 256, 8), (3, 4, 16, 12), (64, 8, 128, 124)]:
+        ids = routing_with_hit(tokens, topk, experts, hit, seed=tokens + hit)
+        assert ids.shape == (tokens, topk) and ids.dtype == np.int32
+        assert len(np.unique(ids)) == hit
+        assert ids.min() >= 0 and ids.max() < experts
+        assert all(len(set(row)) == topk for row in ids.tolist())   # distinct per token
+    assert routing_with_hit(2, 2, 8, 5, seed=0) is None     # 4 slots cannot cover 5 experts
+    assert routing_with_hit(8, 4, 8, 3, seed=0) is None     # top-4 distinct needs >= 4 experts

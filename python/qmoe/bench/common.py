@@ -10,7 +10,8 @@
 - timing: one CUDA-graph replay of one call per weight set (time_graph), eager calls between
   CUDA events from an idle GPU (time_eager), and time_calls (graph, else events: the GEMM
   benchmark's method);
-- data: uniform top-k routing on the device, the int4 and swizzled FP4 scale layouts, random
+- data: uniform top-k routing on the device (and on the host over a subset of a given size:
+  routing_with_hit), the int4 and swizzled FP4 scale layouts, random
   weights / activations of every quant mode made on the device (make_mode_weights,
   make_mode_activations), weight-set rotation counts, numpy -> torch conversion of qmoe.testing
   cases (bf16 / e4m3 through same-size integer views);
@@ -264,6 +265,27 @@ def routing(torch, tokens, topk, experts, gen, device="cuda"):
     """top-k distinct experts per token, uniform: the top-k of uniform random keys."""
     keys = torch.rand((tokens, experts), device=device, generator=gen)
     return torch.topk(keys, topk, dim=1).indices.to(torch.int32).contiguous()
+
+
+def routing_with_hit(tokens, topk, experts, hit, seed):
+    """top-k distinct experts per token, uniform over a random subset of exactly `hit` experts, each of
+    which takes at least one slot: int32 numpy [tokens, topk], or None when no such routing exists
+    (topk > hit or tokens * topk < hit). For comparing with a peer whose own routing sample hit a
+    different number of experts (a different number of weight bytes at decode)."""
+    import numpy as np
+
+    if hit > experts or topk > hit or tokens * topk < hit or hit <= 0:
+        return None
+    rng = np.random.default_rng(seed)
+    subset = rng.permutation(experts)[:hit]
+    for _ in range(100):
+        ids = np.argsort(rng.random((tokens, hit)), axis=1)[:, :topk]
+        if len(np.unique(ids)) == hit:
+            return subset[ids].astype(np.int32)
+    # Rare fallback (slots barely cover the subset): slot j takes subset member j mod hit; distinct per
+    # token since topk <= hit.
+    ids = (np.arange(tokens * topk).reshape(tokens, topk)) % hit
+    return subset[ids].astype(np.int32)
 
 
 def scale_shape(experts, n, k):

@@ -6,6 +6,9 @@ experts per token), routing metadata from qmoe's get_cutlass_w4a8_moe_mm_data, t
 timed as qmoe's cutlass_w4a8_moe_mm, torch._grouped_mm (bf16) and torch._scaled_grouped_mm
 (fp8 rowwise scales, use_fast_accum=True) on the same routing, plus SGLang's times from a peer
 measurement file for the same (model, T) when it is readable (another run, same GPU model).
+Where that run's routing sample hit a different number of experts than ours (a different number of
+weight bytes: Mixtral T = 8 hit 5 of 8 experts there, 8 here), qmoe is timed again on a routing over
+exactly that many experts (routing_with_hit) and the SGLang comparison uses that time.
 
 Method: weights are cycled over several weight sets so that the experts one call touches are
 not in L2 from the previous call (sets are added until the bytes touched between two uses of
@@ -30,6 +33,7 @@ from .common import gemm_floor, measure_ceilings  # noqa: F401  (measure_ceiling
 from .common import norm as _norm
 from .common import peer_path
 from .common import routing as _routing
+from .common import routing_with_hit as _routing_with_hit
 from .common import scale_shape as _scale_shape
 from .common import targets_summary as _targets_summary
 from .common import time_calls as _time_calls
@@ -219,10 +223,15 @@ def target_checks(row, fp8_tflops):
     if hit and row["M"] / hit >= PREFILL_MIN_ROWS_PER_EXPERT and fp8_tflops and row.get("tflops"):
         frac = row["tflops"] / fp8_tflops
         checks.append(("prefill >= 0.75 x dense fp8 rate", frac >= 0.75, f"{frac:.2f} of the fp8 rate"))
-    for key, name in (("torch_fp8_us", "faster than torch fp8"), ("sglang_us", "faster than SGLang")):
-        peer = row.get(key)
-        if peer:
-            checks.append((name, us < peer, f"{us / peer:.2f}x its time"))
+    peer = row.get("torch_fp8_us")
+    if peer:
+        checks.append(("faster than torch fp8", us < peer, f"{us / peer:.2f}x its time"))
+    peer = row.get("sglang_us")
+    if peer:
+        # At SGLang's own expert-hit count when its routing sample differed from ours (same bytes).
+        mine, at = (row["qmoe_us_sglang_hit"], f" at its {row['sglang_hit']} experts hit") \
+            if row.get("qmoe_us_sglang_hit") else (us, "")
+        checks.append(("faster than SGLang", mine < peer, f"{mine / peer:.2f}x its time{at}"))
     return checks
 
 
@@ -243,7 +252,10 @@ def markdown(rows, header_lines, fp8_tflops=None):
             _fmt(r.get("tbps"), 2), _fmt(r.get("tflops")), _fmt(r.get("floor_us")), _fmt(r.get("floor_fraction"), 2),
             _fmt(r.get("torch_bf16_us")) if "torch_bf16_error" not in r else "n/a",
             _fmt(r.get("torch_fp8_us")) if "torch_fp8_error" not in r else "n/a",
-            _fmt(r.get("sglang_us")), str(r.get("tactic", "-"))]) + " |")
+            _sglang_cell(r), str(r.get("tactic", "-"))]) + " |")
+    if any(r.get("qmoe_us_sglang_hit") for r in rows):
+        out += ["", "SGLang us 'x (hit h: qmoe y)': SGLang's run hit h experts, this run's routing a different number; "
+                "y = qmoe timed on a routing over exactly h experts, the time its comparison uses."]
     labels = {"qmoe_error": "qmoe", "torch_bf16_error": "torch bf16", "torch_fp8_error": "torch fp8"}
     notes = sorted({f"{r['model']} {r['gemm']} T={r['T']}, {label}: {r[key]}" for r in rows
                     for key, label in labels.items() if key in r})
@@ -251,6 +263,41 @@ def markdown(rows, header_lines, fp8_tflops=None):
         out += ["", "Errors / unavailable:"] + [f"- {n}" for n in notes]
     out += targets_summary(rows, fp8_tflops)
     return "\n".join(out)
+
+
+def _sglang_cell(r):
+    if not r.get("qmoe_us_sglang_hit"):
+        return _fmt(r.get("sglang_us"))
+    return f"{_fmt(r.get('sglang_us'))} (hit {r['sglang_hit']}: qmoe {_fmt(r['qmoe_us_sglang_hit'])})"
+
+
+def _routing_meta(torch, sgl, ids, experts, inter, hidden):
+    """SGLang's routing data for topk_ids `ids`, and the per-expert row counts."""
+    slots = ids.numel()
+    offsets = torch.empty(experts + 1, dtype=torch.int32, device="cuda")
+    ps1 = torch.empty((experts, 3), dtype=torch.int32, device="cuda")
+    ps2 = torch.empty_like(ps1)
+    perm_in = torch.empty(slots, dtype=torch.int32, device="cuda")
+    perm_out = torch.empty(slots, dtype=torch.int32, device="cuda")
+    sgl.get_cutlass_w4a8_moe_mm_data(ids, offsets, ps1, ps2, perm_in, perm_out, experts, inter, hidden)
+    return dict(offsets=offsets, ps1=ps1, ps2=ps2, counts=ps1[:, 1].tolist())
+
+
+def _time_at_sglang_hit(torch, sgl, ops, model, shape, tokens, gemm, args, ceilings, row, peer):
+    """qmoe's time on a routing over exactly the number of experts SGLang's run hit, when it differs."""
+    experts, topk, hidden, inter = shape
+    peer_hit = int(peer.get("experts_hit") or 0)
+    if not peer_hit or peer_hit == row["experts_hit"] or "qmoe_us" not in row:
+        return
+    ids = _routing_with_hit(tokens, topk, experts, peer_hit, args.seed * 1000003 + tokens)
+    if ids is None:
+        return
+    meta = _routing_meta(torch, sgl, torch.from_numpy(ids).cuda(), experts, inter // args.tp, hidden)
+    quiet = argparse.Namespace(**{**vars(args), "no_torch_peers": True})
+    again = bench_row(torch, sgl, ops, model, shape, tokens, gemm, meta, quiet, ceilings, {})
+    if again.get("qmoe_us"):
+        row["sglang_hit"] = peer_hit
+        row["qmoe_us_sglang_hit"] = again["qmoe_us"]
 
 
 def main(argv=None) -> int:
@@ -291,21 +338,16 @@ def main(argv=None) -> int:
         for tokens in args.tokens:
             gen.manual_seed(args.seed * 1000003 + tokens)
             ids = _routing(torch, tokens, topk, experts, gen)
-            slots = ids.numel()
-            offsets = torch.empty(experts + 1, dtype=torch.int32, device="cuda")
-            ps1 = torch.empty((experts, 3), dtype=torch.int32, device="cuda")
-            ps2 = torch.empty_like(ps1)
-            perm_in = torch.empty(slots, dtype=torch.int32, device="cuda")
-            perm_out = torch.empty(slots, dtype=torch.int32, device="cuda")
-            sgl.get_cutlass_w4a8_moe_mm_data(ids, offsets, ps1, ps2, perm_in, perm_out, experts,
-                                             inter // args.tp, hidden)
-            meta = dict(offsets=offsets, ps1=ps1, ps2=ps2, counts=ps1[:, 1].tolist())
+            meta = _routing_meta(torch, sgl, ids, experts, inter // args.tp, hidden)
             for gemm in args.gemms:
                 row = bench_row(torch, sgl, ops, model, shape, tokens, gemm, meta, args, ceilings, sglang_rows)
+                if "sglang_us" in row:
+                    _time_at_sglang_hit(torch, sgl, ops, model, shape, tokens, gemm, args, ceilings, row,
+                                        sglang_rows[(_norm(model), tokens)])
                 rows.append(row)
                 print(f"  {model} {gemm} T={tokens}: qmoe {_fmt(row.get('qmoe_us'))} us "
                       f"(floor {_fmt(row.get('floor_us'))}), torch bf16 {_fmt(row.get('torch_bf16_us'))}, "
-                      f"fp8 {_fmt(row.get('torch_fp8_us'))}, SGLang {_fmt(row.get('sglang_us'))}"
+                      f"fp8 {_fmt(row.get('torch_fp8_us'))}, SGLang {_sglang_cell(row)}"
                       + (f" [{row['qmoe_error']}]" if "qmoe_error" in row else ""), flush=True)
 
     table = markdown(rows, header, fp8_tflops)
