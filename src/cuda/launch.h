@@ -15,9 +15,11 @@ namespace qmoe::cuda {
 // True when this build contains the sm_90a kernels (QMOE_WITH_CUDA_KERNELS=ON).
 bool kernels_built();
 
+// overlap_previous: the previous kernel in the stream writes nothing this one reads or writes, so with PDL on
+// (and one CTA: up to 2048 slots) it runs alongside that kernel and waits for it only at its end.
 void moe_mm_data(const TensorRef& topk_ids, TensorRef expert_offsets, TensorRef problem_sizes1,
                  TensorRef problem_sizes2, TensorRef input_permutation, TensorRef output_permutation,
-                 int64_t num_experts, int64_t n, int64_t k, cudaStream_t stream);
+                 int64_t num_experts, int64_t n, int64_t k, cudaStream_t stream, bool overlap_previous = false);
 
 // d bfloat16 (the public op) or float32 (fp32 epilogue, used by the fused MoE's GEMM1 only).
 void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream);

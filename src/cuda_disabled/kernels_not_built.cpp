@@ -13,7 +13,7 @@ namespace {
 
 bool kernels_built() { return false; }
 void moe_mm_data(const TensorRef&, TensorRef, TensorRef, TensorRef, TensorRef, TensorRef, int64_t, int64_t, int64_t,
-                 cudaStream_t) {
+                 cudaStream_t, bool) {
   not_built("get_cutlass_w4a8_moe_mm_data");
 }
 void w4a8_moe_mm(const W4A8MoeMmArgs&, const Tactic&, cudaStream_t) { not_built("cutlass_w4a8_moe_mm"); }

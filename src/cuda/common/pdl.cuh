@@ -35,6 +35,15 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 #endif
 }
 
+// Lets the next kernel start its launch without waiting for the previous one (a kernel that reads nothing
+// the previous kernel writes; it must still pdl_wait() before it exits, so that its completion implies the
+// previous kernel's).
+__device__ __forceinline__ void pdl_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
+}
+
 // The calling thread's PDL switch (thread-local: concurrent calls from other threads are unaffected).
 inline bool& pdl_enabled() {
   static thread_local bool enabled = false;

@@ -25,7 +25,17 @@ struct RowRouting {
   int num_local;                     // E_l
   int topk;
   int64_t max_rows;                  // S
+  // The gather runs before the routing kernel and finds each slot's row from local_ids itself (decode:
+  // up to kOwnRowsMaxSlots slots; gather_finds_rows): expert_offsets and the permutations are not read.
+  bool own_rows = false;
 };
+
+// Up to this many slots the gather finds its rows itself (each CTA ranks its token's k slots among all S
+// ids in shared memory, O(k S / 32) per warp), so that it does not wait for the routing kernel, which then
+// runs alongside it (PDL) instead of before it. QMOE_GATHER_OWN_ROWS=0 turns it off (A/B, tests).
+constexpr int64_t kOwnRowsMaxSlots = 512;
+constexpr int kMaxTopk = 16;  // fused_moe's limit on top_k
+bool gather_finds_rows(int64_t slots);
 
 // moe_gather_quantize.cu -------------------------------------------------------------------------
 // local[s] = ids[s] - offset when 0 <= ids[s] < num_experts and 0 <= ids[s] - offset < num_local, else -1.
@@ -125,6 +135,12 @@ RoutingBuffers routing_buffers(const Layout& l, uint8_t* base) {
 // Local expert ids, then moe_mm_data over the local experts (N = I for GEMM1's sizes, as SGLang's op).
 RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& buffers, int64_t hidden, int64_t inter,
                                cudaStream_t stream);
+// The same in two steps, for a gather between them that finds its own rows: local_routing launches the
+// local-ids kernel (expert parallelism only) and describes the buffers; route_rows launches moe_mm_data
+// (overlap_previous: alongside the kernel before it, which must not touch the routing buffers).
+RowRouting local_routing(const FusedMoeParams& p, const RoutingBuffers& buffers, bool own_rows, cudaStream_t stream);
+void route_rows(const FusedMoeParams& p, const RowRouting& routing, const RoutingBuffers& buffers, int64_t hidden,
+                int64_t inter, bool overlap_previous, cudaStream_t stream);
 // finalize(y) into p.output, or (slot_rows != nullptr, moe_expert_rows) scatter_slot_rows.
 // Not called when GEMM2 scattered (fused_finalize_scatter(...).out != nullptr): nothing is left to do.
 void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* output_permutation, int64_t hidden,

@@ -16,13 +16,21 @@
 // token's chunk stored to its k rows; 16-byte loads when H % 8 == 0 and x is 16-byte aligned, else one column
 // at a time (x's alignment is not part of the w4a8_int4 contract).
 // Rows r >= expert_offsets[E_l] (read on the device) are neither read nor written.
+// Own rows (routing.own_rows, decode: S <= kOwnRowsMaxSlots): the kernel runs before the routing kernel
+// and finds the row of slot s = t*k + j as moe_mm_data places it (expert-sorted, stable by slot; ids
+// outside [0, E_l) dropped):
+//   row(s) = #{s' : valid(s'), id(s') < id(s)} + #{s' < s : id(s') == id(s)},
+// counted by one warp per slot over all S ids staged in shared memory.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <string>
 
 #include "cuda/common/exact_rounding.cuh"  // UniformDivisor
 #include "cuda/fused/fused_moe_common.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/launch.h"
+#include "qmoe/error.h"
 #include "qmoe/formats.h"
 #include "cuda/common/pdl.cuh"
 
@@ -81,23 +89,51 @@ constexpr int kGatherThreads = 128;
 // the kernel at prefill (Qwen3-30B T = 4096: 84 us, about 5x its memory time; H200, session 8).
 // kVectorized (H % 8 == 0, x 16-byte aligned, a_out 8-byte aligned): one 16-byte (bf16) or 8-byte
 // (e4m3) load and k 8-byte stores per thread; else the same columns one at a time.
-template <bool kVectorized>
+// kOwnRows: the rows of each token's slots come from the ids (header), not from output_permutation.
+template <bool kVectorized, bool kOwnRows>
 __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const GatherArgs p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   const RowRouting& rt = p.routing;
-  const int64_t valid_rows = rt.expert_offsets[rt.num_local];
-  const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
   const int k = rt.topk;
   const int64_t tokens = rt.max_rows / k;
   const int64_t H = p.hidden;
   const int64_t h0 = (static_cast<int64_t>(blockIdx.x) * kGatherThreads + threadIdx.x) * kVec;
+  __shared__ int32_t keys[kOwnRows ? kOwnRowsMaxSlots : 1];  // ids, E_l for a dropped slot
+  __shared__ int32_t own[kOwnRows ? kMaxTopk : 1];           // rows of this token's slots, -1: dropped
+  int64_t rows = rt.max_rows;
+  if constexpr (kOwnRows) {
+    for (int64_t s = threadIdx.x; s < rt.max_rows; s += kGatherThreads) {
+      const int32_t id = rt.local_ids[s];
+      keys[s] = id >= 0 && id < rt.num_local ? id : rt.num_local;
+    }
+  } else {
+    const int64_t valid_rows = rt.expert_offsets[rt.num_local];
+    rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
+  }
   // A row index is one of this launch's iff 0 <= r < rows (-1: dropped slot; the bound guards a
   // corrupted routing, as rows past the valid ones are neither read nor written).
   auto row_of = [&](int64_t slot) -> int64_t {
+    if constexpr (kOwnRows) return own[slot % k];
     const int64_t r = rt.output_permutation[slot];
     return r >= 0 && r < rows ? r : -1;
   };
   for (int64_t t = blockIdx.y; t < tokens; t += gridDim.y) {
+    if constexpr (kOwnRows) {
+      __syncthreads();  // keys staged; the previous token's rows read by every thread
+      const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+      for (int j = warp; j < k; j += kGatherThreads / 32) {
+        const int64_t s = t * k + j;
+        const int32_t key = keys[s];
+        int before = 0;
+        for (int64_t q = lane; q < rt.max_rows; q += 32) {
+          const int32_t other = keys[q];
+          before += other < key || (other == key && q < s);
+        }
+        before = __reduce_add_sync(0xffffffffu, before);
+        if (lane == 0) own[j] = key < rt.num_local ? before : -1;
+      }
+      __syncthreads();
+    }
     bool any = false;
     for (int j = 0; j < k; ++j) any |= row_of(t * k + j) >= 0;
     if (!any) continue;  // no local expert (expert parallelism): nothing to read
@@ -172,10 +208,16 @@ void gather_quantize(const RowRouting& routing, const void* x, bool x_is_e4m3, i
   const bool vectorized = hidden % kVec == 0 && aligned_to(x, 16) && aligned_to(a_out, 8);
   if (routing.topk <= 0) return;
   const dim3 grid = rows_by_chunks(routing.max_rows / routing.topk, hidden, int64_t{kGatherThreads} * kVec);
-  if (vectorized) {
-    launch_kernel(gather_quantize_kernel<true>, grid, kGatherThreads, 0, stream, p);
+  // Internal invariant (gather_finds_rows): the shared-memory arrays of the own-rows kernel.
+  QMOE_CHECK_ARG(!routing.own_rows || (routing.max_rows <= kOwnRowsMaxSlots && routing.topk <= kMaxTopk), "topk_ids",
+                 "at most " + std::to_string(kOwnRowsMaxSlots) + " slots and top-k <= 16 for the own-rows gather",
+                 std::to_string(routing.max_rows) + " slots, top-k " + std::to_string(routing.topk));
+  if (routing.own_rows) {
+    if (vectorized) launch_kernel(gather_quantize_kernel<true, true>, grid, kGatherThreads, 0, stream, p);
+    else launch_kernel(gather_quantize_kernel<false, true>, grid, kGatherThreads, 0, stream, p);
   } else {
-    launch_kernel(gather_quantize_kernel<false>, grid, kGatherThreads, 0, stream, p);
+    if (vectorized) launch_kernel(gather_quantize_kernel<true, false>, grid, kGatherThreads, 0, stream, p);
+    else launch_kernel(gather_quantize_kernel<false, false>, grid, kGatherThreads, 0, stream, p);
   }
   check_cuda(cudaGetLastError(), "launch of fused_moe gather_quantize");
 }

@@ -1,6 +1,8 @@
 // The steps both GPU fused-MoE pipelines share (sm90_fused_moe_w4a8_int4.cu, sm90_fused_moe_bf16_w4.cu):
 //   first: local expert ids of every slot, then the routing metadata over the local experts
-//          (qmoe::cuda::moe_mm_data: offsets, problem sizes, permutations), all into the workspace;
+//          (qmoe::cuda::moe_mm_data: offsets, problem sizes, permutations), all into the workspace
+//          (route_local_experts; or its two steps apart, local_routing and route_rows, with the gather
+//          between them when it finds its own rows: gather_finds_rows);
 //   last:  back to token order (the finalize into p.output), or for moe_expert_rows the GEMM2 rows
 //          scattered to flat slot order without combining;
 //   and the fused finalize's pieces: the RowScatterAdd GEMM2's epilogue runs with, and the zeroing of
@@ -16,14 +18,9 @@
 
 namespace qmoe::cuda::fused {
 
-RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& b, int64_t hidden, int64_t inter,
-                               cudaStream_t stream) {
+RowRouting local_routing(const FusedMoeParams& p, const RoutingBuffers& b, bool own_rows, cudaStream_t stream) {
   const int64_t topk = p.topk_ids.size(1), slots = p.topk_ids.size(0) * topk;
   const int64_t local = p.num_local_experts == 0 ? p.num_experts : p.num_local_experts;
-  const int device = p.x.device_index;
-  auto tensor = [device](int32_t* data, std::initializer_list<int64_t> shape) {
-    return make_tensor(data, DType::kInt32, shape, Device::kCUDA, device);
-  };
   // Every expert local (no expert parallelism): the ids are their own local ids, and moe_mm_data drops
   // the out-of-range ones itself, so the shifting kernel (~1 us at decode) is skipped. The kernels
   // after it read local ids only of the slots the routing keeps, where both agree.
@@ -32,11 +29,35 @@ RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& b,
   if (!all_local)
     local_expert_ids(p.topk_ids.ptr<const int32_t>(), b.local_ids, slots, p.num_experts, p.local_expert_offset, local,
                      stream);
-  moe_mm_data(tensor(ids, {slots}), tensor(b.offsets, {local + 1}), tensor(b.sizes1, {local, 3}),
-              tensor(b.sizes2, {local, 3}), tensor(b.input_permutation, {slots}),
-              tensor(b.output_permutation, {slots}), local, inter, hidden, stream);
-  return RowRouting{ids, b.offsets, b.input_permutation, b.output_permutation, static_cast<int>(local),
-                    static_cast<int>(topk), slots};
+  RowRouting r{ids, b.offsets, b.input_permutation, b.output_permutation, static_cast<int>(local),
+               static_cast<int>(topk), slots};
+  r.own_rows = own_rows;
+  return r;
+}
+
+void route_rows(const FusedMoeParams& p, const RowRouting& r, const RoutingBuffers& b, int64_t hidden, int64_t inter,
+                bool overlap_previous, cudaStream_t stream) {
+  const int device = p.x.device_index;
+  auto tensor = [device](int32_t* data, std::initializer_list<int64_t> shape) {
+    return make_tensor(data, DType::kInt32, shape, Device::kCUDA, device);
+  };
+  const int64_t local = r.num_local;
+  moe_mm_data(tensor(const_cast<int32_t*>(r.local_ids), {r.max_rows}), tensor(b.offsets, {local + 1}),
+              tensor(b.sizes1, {local, 3}), tensor(b.sizes2, {local, 3}), tensor(b.input_permutation, {r.max_rows}),
+              tensor(b.output_permutation, {r.max_rows}), local, inter, hidden, stream, overlap_previous);
+}
+
+RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& b, int64_t hidden, int64_t inter,
+                               cudaStream_t stream) {
+  const RowRouting r = local_routing(p, b, false, stream);
+  route_rows(p, r, b, hidden, inter, false, stream);
+  return r;
+}
+
+bool gather_finds_rows(int64_t slots) {
+  const char* v = std::getenv("QMOE_GATHER_OWN_ROWS");
+  if (v != nullptr && v[0] == '0' && v[1] == '\0') return false;
+  return slots > 0 && slots <= kOwnRowsMaxSlots;
 }
 
 void finish_rows(const FusedMoeParams& p, const uint16_t* y, const int32_t* output_permutation, int64_t hidden,

@@ -5,7 +5,8 @@
 //
 //   1. local ids      topk_ids -> local expert ids (-1: not local)              moe_gather_quantize.cu
 //   2. routing        moe_mm_data(local ids, E_l): offsets, sizes, permutations  routing/sm90_moe_mm_data.cu
-//      (steps 1-2 and the last one: moe_pipeline_steps.cu, shared by both pipelines)
+//      (steps 1-2 and the last one: moe_pipeline_steps.cu, shared by both pipelines; at decode, up to
+//      kOwnRowsMaxSlots slots, step 2 runs after step 4, alongside it: the gather finds its rows itself)
 //   3. (dynamic a1)   amax |x| over all tokens -> a1 = amax / 448 on the device  moe_gather_quantize.cu
 //   4. gather+quant   A1[r] = e4m3(x[t] / a1(t)), s1[r] = a1(t) * w1_alpha[e]    moe_gather_quantize.cu
 //   5. GEMM1          h[r] = s1[r] * W13[e] . A1[r]  (fp32 output)               gemm/sm90_grouped_gemm_w4a8_int4
@@ -86,8 +87,11 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   const RowScatterAdd scatter = fused::fused_finalize_scatter(p, rb.input_permutation, slot_rows, gemm2_tactic);
   if (scatter.out != nullptr) fused::zero_output_fork(p, stream);
 
-  // 1-2. Routing over the local experts.
-  const fused::RowRouting routing = fused::route_local_experts(p, rb, dims.hidden, dims.inter, stream);
+  // 1-2. Routing over the local experts. At decode (gather_finds_rows) the gather finds its rows itself and
+  // runs first; the routing kernel then runs alongside it (PDL) and waits for it at its end.
+  const bool own_rows = fused::gather_finds_rows(dims.slots);
+  const fused::RowRouting routing = fused::local_routing(p, rb, own_rows, stream);
+  if (!own_rows) fused::route_rows(p, routing, rb, dims.hidden, dims.inter, /*overlap_previous=*/false, stream);
 
   // 3-4. GEMM1's operand and per-row scale.
   const bool x_is_e4m3 = p.x.dtype == DType::kFloat8E4M3;
@@ -95,6 +99,7 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
   fused::gather_quantize(routing, p.x.data, x_is_e4m3, dims.hidden,
                          dynamic_a1 ? nullptr : p.x_scale->ptr<const float>(), !dynamic_a1 && p.x_scale->numel() > 1,
                          amax_x, p.w1_alpha ? p.w1_alpha->ptr<const float>() : nullptr, a1, s1, stream);
+  if (own_rows) fused::route_rows(p, routing, rb, dims.hidden, dims.inter, /*overlap_previous=*/true, stream);
 
   // One grouped GEMM of the pipeline: d [slots, d_cols] = a [slots, a_cols] x w, per-row scale s; the
   // expert blocks come from the routing buffers on the device.

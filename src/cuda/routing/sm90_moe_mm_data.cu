@@ -33,6 +33,10 @@
 // Measured on an H200 (CUDA-graph replay, int32 ids; int64 within 0.5 us): E = 256: 4 us at 8
 // slots, 9 us at 2048 (one CTA), 12 us at 32K, 17 us at 256K; E = 1024: 6 us at 8, 20 us at 256K.
 // One CTA alone took 560 us at 256K slots (E = 256): hence the multi-CTA path.
+// Overlap (one CTA, PDL on, `overlap_previous`): a caller whose previous kernel in the stream writes
+// nothing this kernel reads or writes (the fused MoE at decode, where the gather before it finds its
+// rows itself) lets it start at once and wait for that kernel only at its end, so that its completion
+// still implies the previous kernel's (the next kernel's griddepcontrol.wait covers both).
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -97,8 +101,9 @@ template <class Id>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_mm_data_kernel(const Id* __restrict__ ids, int64_t slots, int64_t cta_range, int experts, int n, int k,
                        int32_t* __restrict__ offsets, int32_t* __restrict__ sizes1, int32_t* __restrict__ sizes2,
-                       int32_t* __restrict__ input_perm, int32_t* __restrict__ output_perm) {
-  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
+                       int32_t* __restrict__ input_perm, int32_t* __restrict__ output_perm, bool overlap_previous) {
+  if (overlap_previous) pdl_release();  // waits at the end instead (header)
+  else pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   extern __shared__ int hist[];  // [kWarps][experts]: counts after pass 1, running bases in pass 2
   __shared__ int warp_sums[kWarps];
   __shared__ int total_rows;
@@ -212,6 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncwarp();
     }
   }
+  if (overlap_previous) pdl_wait();
 }
 
 // SM count of each device, cached: the launch path must stay cheap and capture-safe.
@@ -240,7 +246,7 @@ int choose_ctas(int64_t slots, int experts, int device) {
 
 template <class Id>
 void launch(const TensorRef& topk_ids, int32_t* offsets, int32_t* sizes1, int32_t* sizes2, int32_t* input_perm,
-            int32_t* output_perm, int experts, int n, int k, cudaStream_t stream) {
+            int32_t* output_perm, int experts, int n, int k, bool overlap_previous, cudaStream_t stream) {
   const size_t smem = sizeof(int) * kWarps * static_cast<size_t>(experts);
   auto kernel = moe_mm_data_kernel<Id>;
   // Static + dynamic shared memory above 48 KB needs the opt-in limit (the static part is ~150
@@ -271,8 +277,10 @@ void launch(const TensorRef& topk_ids, int32_t* offsets, int32_t* sizes1, int32_
   }
   config.attrs = attribute;
   config.numAttrs = ctas > 1 || pdl_enabled() ? 1 : 0;
+  // The grid barrier's CTAs launch cooperatively, never as dependents: they wait first.
+  const bool overlap = overlap_previous && ctas == 1 && pdl_enabled();
   check_cuda(cudaLaunchKernelEx(&config, kernel, ids, slots, cta_range, experts, n, k, offsets, sizes1, sizes2,
-                                input_perm, output_perm),
+                                input_perm, output_perm, overlap),
              "moe_mm_data kernel launch");
 }
 
@@ -280,7 +288,7 @@ void launch(const TensorRef& topk_ids, int32_t* offsets, int32_t* sizes1, int32_
 
 void moe_mm_data(const TensorRef& topk_ids, TensorRef expert_offsets, TensorRef problem_sizes1,
                  TensorRef problem_sizes2, TensorRef input_permutation, TensorRef output_permutation,
-                 int64_t num_experts, int64_t n, int64_t k, cudaStream_t stream) {
+                 int64_t num_experts, int64_t n, int64_t k, cudaStream_t stream, bool overlap_previous) {
   // The public entry validates; these guard the kernel's own limits in case of a new caller.
   QMOE_CHECK_ARG(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts", "a value in [1, 1024]",
             std::to_string(num_experts));
@@ -296,9 +304,9 @@ void moe_mm_data(const TensorRef& topk_ids, TensorRef expert_offsets, TensorRef 
   int32_t* out_perm = output_permutation.ptr<int32_t>();
   const int e = static_cast<int>(num_experts), nn = static_cast<int>(n), kk = static_cast<int>(k);
   if (topk_ids.dtype == DType::kInt64)
-    launch<int64_t>(topk_ids, offsets, sizes1, sizes2, in_perm, out_perm, e, nn, kk, stream);
+    launch<int64_t>(topk_ids, offsets, sizes1, sizes2, in_perm, out_perm, e, nn, kk, overlap_previous, stream);
   else
-    launch<int32_t>(topk_ids, offsets, sizes1, sizes2, in_perm, out_perm, e, nn, kk, stream);
+    launch<int32_t>(topk_ids, offsets, sizes1, sizes2, in_perm, out_perm, e, nn, kk, overlap_previous, stream);
 }
 
 }  // namespace qmoe::cuda

@@ -1,0 +1,140 @@
+"""GPU tests of the decode gather that finds its own rows (w4a8_int4 pipeline; src/cuda/fused/moe_gather_quantize.cu,
+gather_finds_rows in moe_pipeline_steps.cu): up to kOwnRowsMaxSlots = 512 slots the gather ranks each slot among all
+ids itself and runs before the routing kernel, which then runs alongside it (PDL) and waits for it at its end.
+QMOE_GATHER_OWN_ROWS=0 (read on every call) keeps the routing kernel first and the gather reading
+output_permutation.
+
+Each case runs the same device data both ways into workspaces poisoned with 0xAA bytes and NaN-poisoned outputs
+(deterministic finalize), with PDL off and on, and checks bit for bit: every routing buffer (expert offsets,
+both problem sizes, both permutations), GEMM1's operand A1 and scale s1 over the valid rows, and the output; and
+the output against the C++ CPU engine (qmoe.testing tolerance). Routings: one token, k = 8, dropped ids (-1 and
+out of range), an empty expert, all tokens on one expert, the same expert twice in a token (the rank keeps slot
+order), expert parallelism with tokens that have no local slot, 512 slots (the largest own-rows count) and 520
+(the routing-first path either way); static, per-token and dynamic x scales.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+from gpu_common import fused_moe_dims, on_device, require_hopper, run_cpu, to_np, workspace_offsets  # noqa: E402
+
+torch = require_hopper()
+
+import qmoe  # noqa: E402
+from qmoe import testing  # noqa: E402
+
+MODE = "w4a8_int4"
+POISON = 0xAA
+ENV = "QMOE_GATHER_OWN_ROWS"
+
+# name -> (tokens, top_k, experts, make_fused_moe_case keywords)
+CASES = {
+    "T1_k1": (1, 1, 8, {}),
+    "T1_k8": (1, 8, 64, {}),
+    "T7_dropped_empty": (7, 4, 16, dict(empty_expert=3, minus_one=3, out_of_range=2)),
+    "T9_one_expert": (9, 1, 16, dict(expert_range=(5, 6))),
+    "T6_repeated": (6, 4, 3, dict(distinct=False)),
+    "T13_ep": (13, 4, 16, dict(num_local_experts=6, local_expert_offset=5, expert_range=(3, 13))),
+    "T64_k8_512_slots": (64, 8, 128, {}),
+    "T65_k8_520_slots": (65, 8, 128, {}),
+}
+
+
+@contextlib.contextmanager
+def own_rows(enabled):
+    old = os.environ.get(ENV)
+    if enabled:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
+
+
+def run(case, dev, enabled, **options):
+    """One call into a poisoned workspace; the routing buffers, A1 / s1 of the valid rows and the output."""
+    slots, local, hidden, inter, rows1 = fused_moe_dims(case)
+    lay = workspace_offsets(slots, local, hidden, inter, rows1, False)
+    ws = torch.full((lay["total"],), POISON, dtype=torch.uint8, device="cuda")
+    out = torch.full((case["topk_ids"].shape[0], hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with own_rows(enabled):
+        got = qmoe.fused_moe(**dev, out=out, workspace=ws, deterministic=True, **options)
+    torch.cuda.synchronize()
+    assert got is out
+
+    def region(name, nbytes):
+        return ws[lay[name]:lay[name] + nbytes].clone()
+
+    offsets = region("expert_offsets", 4 * (local + 1)).view(torch.int32)
+    rows = int(offsets[-1])
+    return dict(out=out.view(torch.int16), offsets=offsets,
+                sizes1=region("problem_sizes1", 12 * local), sizes2=region("problem_sizes2", 12 * local),
+                input_permutation=region("input_permutation", 4 * slots),
+                output_permutation=region("output_permutation", 4 * slots),
+                a1=region("a1", rows * hidden), s1=region("s1", 4 * rows))
+
+
+def make_case(name, scales):
+    tokens, top_k, experts, kw = CASES[name]
+    case = testing.make_fused_moe_case(MODE, tokens, 256, 128, experts, top_k, seed=tokens + 3 * top_k,
+                                       static_scales=scales != "dynamic", **kw)
+    if scales == "per_token":
+        x = case["x"].astype(np.float32)
+        case["x_scale"] = (np.abs(x).max(axis=1) / 448 + 1e-3).astype(np.float32)
+    return case
+
+
+@pytest.mark.parametrize("scales", ["static", "per_token", "dynamic"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_own_rows_match_the_routed_gather(name, scales):
+    case = make_case(name, scales)
+    dev = on_device(case)
+    cpu = run_cpu(case, deterministic=True)
+    for pdl in (False, True):
+        ref = run(case, dev, False, enable_pdl=pdl)
+        got = run(case, dev, True, enable_pdl=pdl)
+        what = f"{name} {scales} pdl={pdl}"
+        for key in ("offsets", "sizes1", "sizes2", "input_permutation", "output_permutation", "a1", "s1", "out"):
+            assert torch.equal(ref[key], got[key]), f"{what}: {key} differs between the two gathers"
+        testing.assert_close(to_np(got["out"].view(torch.bfloat16)), cpu, MODE, what=f"{what} vs CPU")
+
+
+def test_graph_replay_with_pdl_reroutes():
+    """A CUDA graph captured with own rows and PDL replays new routings of the same shape correctly."""
+    case = make_case("T7_dropped_empty", "static")
+    dev = on_device(case)
+    tokens, top_k = case["topk_ids"].shape
+    out = torch.empty((tokens, case["w2"].shape[1]), dtype=torch.bfloat16, device="cuda")
+
+    def body():
+        qmoe.fused_moe(**dev, out=out, deterministic=True, enable_pdl=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with own_rows(True), torch.cuda.stream(side):
+        body()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with own_rows(True), torch.cuda.graph(graph):
+        body()
+    for seed, kw in [(11, dict(minus_one=2, empty_expert=1)), (12, dict(hot_expert=0)), (13, dict(out_of_range=5))]:
+        ids, wts = testing.make_routing(tokens, top_k, case["num_experts"], seed, **kw)
+        dev["topk_ids"].copy_(torch.from_numpy(ids))
+        dev["topk_weights"].copy_(torch.from_numpy(wts))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        new = dict(case, topk_ids=ids, topk_weights=wts)
+        testing.assert_close(to_np(out), run_cpu(new, deterministic=True), MODE, what=f"graph replay {seed}")
