@@ -1,8 +1,8 @@
-"""GPU tests of the decode gather that finds its own rows (w4a8_int4 pipeline; src/cuda/fused/moe_gather_quantize.cu,
-gather_finds_rows in moe_pipeline_steps.cu): up to kOwnRowsMaxSlots = 512 slots the gather ranks each slot among all
-ids itself and runs before the routing kernel, which then runs alongside it (PDL) and waits for it at its end.
-QMOE_GATHER_OWN_ROWS=0 (read on every call) keeps the routing kernel first and the gather reading
-output_permutation.
+"""GPU tests of the decode gathers that find their own rows (both pipelines: src/cuda/fused/moe_gather_quantize.cu,
+moe_gather_dequant.cu, own_slot_rows.cuh; gather_finds_rows in moe_pipeline_steps.cu): up to kOwnRowsMaxSlots = 512
+slots the gather ranks each slot among all ids itself and runs before the routing kernel, which then runs alongside
+it (PDL) and waits for it at its end. QMOE_GATHER_OWN_ROWS=0 (read on every call) keeps the routing kernel first and
+the gather reading the permutations.
 
 Each case runs the same device data both ways into workspaces poisoned with 0xAA bytes and NaN-poisoned outputs
 (deterministic finalize), with PDL off and on, and checks bit for bit: every routing buffer (expert offsets,
@@ -10,7 +10,8 @@ both problem sizes, both permutations), GEMM1's operand A1 and scale s1 over the
 the output against the C++ CPU engine (qmoe.testing tolerance). Routings: one token, k = 8, dropped ids (-1 and
 out of range), an empty expert, all tokens on one expert, the same expert twice in a token (the rank keeps slot
 order), expert parallelism with tokens that have no local slot, 512 slots (the largest own-rows count) and 520
-(the routing-first path either way); static, per-token and dynamic x scales.
+(the routing-first path either way); every quant mode; w4a8_int4 with static, per-token and dynamic x scales,
+w4a4 with and without per_token_scale.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ import qmoe  # noqa: E402
 from qmoe import testing  # noqa: E402
 
 MODE = "w4a8_int4"
+# quant mode -> the scale variants tested (make_case)
+MODES = {"w4a8_int4": ("static", "per_token", "dynamic"), "w4a4": ("static", "per_token"), "w4a8": ("static",),
+         "w4a16": ("static",), "w4a16_int4": ("static",)}
 POISON = 0xAA
 ENV = "QMOE_GATHER_OWN_ROWS"
 
@@ -65,7 +69,8 @@ def own_rows(enabled):
 def run(case, dev, enabled, **options):
     """One call into a poisoned workspace; the routing buffers, A1 / s1 of the valid rows and the output."""
     slots, local, hidden, inter, rows1 = fused_moe_dims(case)
-    lay = workspace_offsets(slots, local, hidden, inter, rows1, False)
+    bf16_operands = case["quant_mode"] != "w4a8_int4"
+    lay = workspace_offsets(slots, local, hidden, inter, rows1, bf16_operands)
     ws = torch.full((lay["total"],), POISON, dtype=torch.uint8, device="cuda")
     out = torch.full((case["topk_ids"].shape[0], hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     with own_rows(enabled):
@@ -82,32 +87,35 @@ def run(case, dev, enabled, **options):
                 sizes1=region("problem_sizes1", 12 * local), sizes2=region("problem_sizes2", 12 * local),
                 input_permutation=region("input_permutation", 4 * slots),
                 output_permutation=region("output_permutation", 4 * slots),
-                a1=region("a1", rows * hidden), s1=region("s1", 4 * rows))
+                a1=region("a1", (2 if bf16_operands else 1) * rows * hidden), s1=region("s1", 4 * rows))
 
 
-def make_case(name, scales):
+def make_case(name, scales, mode=MODE):
     tokens, top_k, experts, kw = CASES[name]
-    case = testing.make_fused_moe_case(MODE, tokens, 256, 128, experts, top_k, seed=tokens + 3 * top_k,
-                                       static_scales=scales != "dynamic", **kw)
-    if scales == "per_token":
+    if mode == "w4a4":
+        kw = dict(kw, per_token=scales == "per_token")
+    elif mode == "w4a8_int4":
+        kw = dict(kw, static_scales=scales != "dynamic")
+    case = testing.make_fused_moe_case(mode, tokens, 256, 128, experts, top_k, seed=tokens + 3 * top_k, **kw)
+    if mode == "w4a8_int4" and scales == "per_token":
         x = case["x"].astype(np.float32)
         case["x_scale"] = (np.abs(x).max(axis=1) / 448 + 1e-3).astype(np.float32)
     return case
 
 
-@pytest.mark.parametrize("scales", ["static", "per_token", "dynamic"])
+@pytest.mark.parametrize("mode,scales", [(m, s) for m, variants in MODES.items() for s in variants])
 @pytest.mark.parametrize("name", list(CASES))
-def test_own_rows_match_the_routed_gather(name, scales):
-    case = make_case(name, scales)
+def test_own_rows_match_the_routed_gather(name, mode, scales):
+    case = make_case(name, scales, mode)
     dev = on_device(case)
     cpu = run_cpu(case, deterministic=True)
     for pdl in (False, True):
         ref = run(case, dev, False, enable_pdl=pdl)
         got = run(case, dev, True, enable_pdl=pdl)
-        what = f"{name} {scales} pdl={pdl}"
+        what = f"{name} {mode} {scales} pdl={pdl}"
         for key in ("offsets", "sizes1", "sizes2", "input_permutation", "output_permutation", "a1", "s1", "out"):
             assert torch.equal(ref[key], got[key]), f"{what}: {key} differs between the two gathers"
-        testing.assert_close(to_np(got["out"].view(torch.bfloat16)), cpu, MODE, what=f"{what} vs CPU")
+        testing.assert_close(to_np(got["out"].view(torch.bfloat16)), cpu, mode, what=f"{what} vs CPU")
 
 
 def test_graph_replay_with_pdl_reroutes():

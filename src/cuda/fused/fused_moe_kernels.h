@@ -132,12 +132,10 @@ RoutingBuffers routing_buffers(const Layout& l, uint8_t* base) {
   return {at(l.local_ids),         at(l.expert_offsets),    at(l.problem_sizes1),
           at(l.problem_sizes2),    at(l.input_permutation), at(l.output_permutation)};
 }
-// Local expert ids, then moe_mm_data over the local experts (N = I for GEMM1's sizes, as SGLang's op).
-RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& buffers, int64_t hidden, int64_t inter,
-                               cudaStream_t stream);
-// The same in two steps, for a gather between them that finds its own rows: local_routing launches the
-// local-ids kernel (expert parallelism only) and describes the buffers; route_rows launches moe_mm_data
-// (overlap_previous: alongside the kernel before it, which must not touch the routing buffers).
+// The routing in two steps (a gather that finds its own rows runs between them): local_routing launches the
+// local-ids kernel (expert parallelism only) and describes the buffers; route_rows launches moe_mm_data over
+// the local experts (N = I for GEMM1's sizes, as SGLang's op; overlap_previous: alongside the kernel before
+// it, which must not touch the routing buffers).
 RowRouting local_routing(const FusedMoeParams& p, const RoutingBuffers& buffers, bool own_rows, cudaStream_t stream);
 void route_rows(const FusedMoeParams& p, const RowRouting& routing, const RoutingBuffers& buffers, int64_t hidden,
                 int64_t inter, bool overlap_previous, cudaStream_t stream);

@@ -20,14 +20,21 @@
 // (grid capped at ~16 CTAs per SM: rows_by_chunks_looped); one row per CTA ran at ~1 TB/s there (H200,
 // s17c). Decode keeps one row per CTA (a CTA's latency is the kernel's there).
 // Rows r >= expert_offsets[E_l] (read on the device) are neither read nor written.
+// Own rows (routing.own_rows, decode: S <= kOwnRowsMaxSlots): the kernel runs before the routing kernel,
+// token-major: it finds the rows of each token's slots itself (own_slot_rows.cuh), converts each chunk of
+// the token once and stores it to those rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "cuda/fused/fused_moe_common.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
+#include "cuda/fused/own_slot_rows.cuh"
 #include "cuda/launch.h"
+#include "qmoe/error.h"
 #include "qmoe/formats.h"
 #include "cuda/common/pdl.cuh"
 
@@ -146,6 +153,34 @@ __global__ void __launch_bounds__(kThreads) gather_dequant_kernel(const GatherDe
   }
 }
 
+// Own rows: blockIdx.y = token (grid-stride), blockIdx.x * kThreads + threadIdx.x = chunk of kChunk features.
+template <ActivationInput kInput>
+__global__ void __launch_bounds__(kThreads) gather_dequant_own_rows_kernel(const GatherDequantArgs p) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
+  const RowRouting& rt = p.routing;
+  __shared__ int32_t keys[kOwnRowsMaxSlots];
+  __shared__ int32_t rows[kMaxTopk];  // of this token's slots, -1: dropped
+  stage_slot_keys<kThreads>(rt, keys);
+  const int k = rt.topk;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const bool in_row = c < p.hidden / kChunk;
+  for (int64_t t = blockIdx.y; t < rt.max_rows / k; t += gridDim.y) {
+    __syncthreads();  // keys staged; the previous token's rows read by every thread
+    own_slot_rows<kThreads>(rt, keys, t, rows);
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x < k && rows[threadIdx.x] >= 0) {
+      const float alpha = p.w1_alpha != nullptr ? p.w1_alpha[rt.local_ids[t * k + threadIdx.x]] : 1.0f;
+      p.s1[rows[threadIdx.x]] = alpha * (p.per_token_scale != nullptr ? p.per_token_scale[t] : 1.0f);
+    }
+    bool any = false;
+    for (int j = 0; j < k; ++j) any |= rows[j] >= 0;
+    if (!in_row || !any) continue;  // no local expert (expert parallelism): nothing to read
+    const uint4 v = convert_chunk<kInput>(load_chunk<kInput>(p, t, c));
+    for (int j = 0; j < k; ++j)
+      if (rows[j] >= 0) reinterpret_cast<uint4*>(p.a_out + rows[j] * p.hidden)[c] = v;
+  }
+}
+
 }  // namespace
 
 void gather_dequantize(const RowRouting& routing, ActivationInput input, const void* x, const uint8_t* x_scale,
@@ -154,6 +189,20 @@ void gather_dequantize(const RowRouting& routing, ActivationInput input, const v
   if (routing.max_rows <= 0) return;
   const GatherDequantArgs p{routing, x, x_scale, hidden, per_token_scale, w1_alpha, a_out, s1};
   if (hidden <= 0) return;
+  if (routing.own_rows) {
+    // Internal invariant (gather_finds_rows): the shared-memory arrays of the own-rows kernel.
+    QMOE_CHECK_ARG(routing.max_rows <= kOwnRowsMaxSlots && routing.topk >= 1 && routing.topk <= kMaxTopk, "topk_ids",
+                   "at most " + std::to_string(kOwnRowsMaxSlots) + " slots and top-k <= 16 for the own-rows gather",
+                   std::to_string(routing.max_rows) + " slots, top-k " + std::to_string(routing.topk));
+    const dim3 grid = rows_by_chunks(routing.max_rows / routing.topk, hidden, int64_t{kThreads} * kChunk);
+    switch (input) {
+      case ActivationInput::kBf16: launch_kernel(gather_dequant_own_rows_kernel<ActivationInput::kBf16>, grid, kThreads, 0, stream, p); break;
+      case ActivationInput::kNvfp4: launch_kernel(gather_dequant_own_rows_kernel<ActivationInput::kNvfp4>, grid, kThreads, 0, stream, p); break;
+      case ActivationInput::kMxfp8: launch_kernel(gather_dequant_own_rows_kernel<ActivationInput::kMxfp8>, grid, kThreads, 0, stream, p); break;
+    }
+    check_cuda(cudaGetLastError(), "launch of fused_moe gather_dequantize (own rows)");
+    return;
+  }
   const bool batched = rows_batched(routing.max_rows, hidden, int64_t{kThreads} * kChunk);
   const dim3 grid = rows_by_chunks_looped(routing.max_rows, hidden, int64_t{kThreads} * kChunk, batched ? kRows : 1);
   auto launch = [&](auto kernel_rows1, auto kernel_batched) {

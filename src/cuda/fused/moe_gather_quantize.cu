@@ -17,10 +17,7 @@
 // at a time (x's alignment is not part of the w4a8_int4 contract).
 // Rows r >= expert_offsets[E_l] (read on the device) are neither read nor written.
 // Own rows (routing.own_rows, decode: S <= kOwnRowsMaxSlots): the kernel runs before the routing kernel
-// and finds the row of slot s = t*k + j as moe_mm_data places it (expert-sorted, stable by slot; ids
-// outside [0, E_l) dropped):
-//   row(s) = #{s' : valid(s'), id(s') < id(s)} + #{s' < s : id(s') == id(s)},
-// counted by one warp per slot over all S ids staged in shared memory.
+// and finds the rows of each token's slots itself (own_slot_rows.cuh).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -29,6 +26,7 @@
 #include "cuda/common/exact_rounding.cuh"  // UniformDivisor
 #include "cuda/fused/fused_moe_common.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
+#include "cuda/fused/own_slot_rows.cuh"
 #include "cuda/launch.h"
 #include "qmoe/error.h"
 #include "qmoe/formats.h"
@@ -102,10 +100,7 @@ __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const G
   __shared__ int32_t own[kOwnRows ? kMaxTopk : 1];           // rows of this token's slots, -1: dropped
   int64_t rows = rt.max_rows;
   if constexpr (kOwnRows) {
-    for (int64_t s = threadIdx.x; s < rt.max_rows; s += kGatherThreads) {
-      const int32_t id = rt.local_ids[s];
-      keys[s] = id >= 0 && id < rt.num_local ? id : rt.num_local;
-    }
+    stage_slot_keys<kGatherThreads>(rt, keys);
   } else {
     const int64_t valid_rows = rt.expert_offsets[rt.num_local];
     rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
@@ -120,18 +115,7 @@ __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const G
   for (int64_t t = blockIdx.y; t < tokens; t += gridDim.y) {
     if constexpr (kOwnRows) {
       __syncthreads();  // keys staged; the previous token's rows read by every thread
-      const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-      for (int j = warp; j < k; j += kGatherThreads / 32) {
-        const int64_t s = t * k + j;
-        const int32_t key = keys[s];
-        int before = 0;
-        for (int64_t q = lane; q < rt.max_rows; q += 32) {
-          const int32_t other = keys[q];
-          before += other < key || (other == key && q < s);
-        }
-        before = __reduce_add_sync(0xffffffffu, before);
-        if (lane == 0) own[j] = key < rt.num_local ? before : -1;
-      }
+      own_slot_rows<kGatherThreads>(rt, keys, t, own);
       __syncthreads();
     }
     bool any = false;

@@ -1,8 +1,8 @@
 // The steps both GPU fused-MoE pipelines share (sm90_fused_moe_w4a8_int4.cu, sm90_fused_moe_bf16_w4.cu):
 //   first: local expert ids of every slot, then the routing metadata over the local experts
 //          (qmoe::cuda::moe_mm_data: offsets, problem sizes, permutations), all into the workspace
-//          (route_local_experts; or its two steps apart, local_routing and route_rows, with the gather
-//          between them when it finds its own rows: gather_finds_rows);
+//          (local_routing, then route_rows; at decode the gather between them, when it finds its own
+//          rows: gather_finds_rows);
 //   last:  back to token order (the finalize into p.output), or for moe_expert_rows the GEMM2 rows
 //          scattered to flat slot order without combining;
 //   and the fused finalize's pieces: the RowScatterAdd GEMM2's epilogue runs with, and the zeroing of
@@ -45,13 +45,6 @@ void route_rows(const FusedMoeParams& p, const RowRouting& r, const RoutingBuffe
   moe_mm_data(tensor(const_cast<int32_t*>(r.local_ids), {r.max_rows}), tensor(b.offsets, {local + 1}),
               tensor(b.sizes1, {local, 3}), tensor(b.sizes2, {local, 3}), tensor(b.input_permutation, {r.max_rows}),
               tensor(b.output_permutation, {r.max_rows}), local, inter, hidden, stream, overlap_previous);
-}
-
-RowRouting route_local_experts(const FusedMoeParams& p, const RoutingBuffers& b, int64_t hidden, int64_t inter,
-                               cudaStream_t stream) {
-  const RowRouting r = local_routing(p, b, false, stream);
-  route_rows(p, r, b, hidden, inter, false, stream);
-  return r;
 }
 
 bool gather_finds_rows(int64_t slots) {

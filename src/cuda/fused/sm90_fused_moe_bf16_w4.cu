@@ -8,7 +8,8 @@
 //
 //   1. local ids      topk_ids -> local expert ids (-1: not local)               moe_gather_quantize.cu
 //   2. routing        moe_mm_data(local ids, E_l): offsets, sizes, permutations   routing/sm90_moe_mm_data.cu
-//      (steps 1-2 and the last one: moe_pipeline_steps.cu, shared by both pipelines)
+//      (steps 1-2 and the last one: moe_pipeline_steps.cu, shared by both pipelines; at decode, up to
+//      kOwnRowsMaxSlots slots, step 2 runs after step 3, alongside it: the gather finds its rows itself)
 //   3. gather+dequant A1[r] = bf16 of x[t] (copy | e2m1*e4m3 | e4m3*2^s)          moe_gather_dequant.cu
 //                     s1[r] = w1_alpha[e] * per_token_scale[t] (each optional)
 //   4. GEMM1          h[r] = s1[r] * W13[e] . A1[r]  (fp32 output)                gemm/sm90_grouped_gemm_bf16_w4
@@ -109,13 +110,17 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   const RowScatterAdd scatter = fused::fused_finalize_scatter(p, rb.input_permutation, slot_rows, gemm2_tactic);
   if (scatter.out != nullptr) fused::zero_output_fork(p, stream);
 
-  // 1-2. Routing over the local experts (as the w4a8_int4 pipeline).
-  const fused::RowRouting routing = fused::route_local_experts(p, rb, dims.hidden, dims.inter, stream);
+  // 1-2. Routing over the local experts (as the w4a8_int4 pipeline: at decode the gather finds its own rows
+  // and runs first, the routing kernel alongside it).
+  const bool own_rows = fused::gather_finds_rows(dims.slots);
+  const fused::RowRouting routing = fused::local_routing(p, rb, own_rows, stream);
+  if (!own_rows) fused::route_rows(p, routing, rb, dims.hidden, dims.inter, /*overlap_previous=*/false, stream);
 
   // 3. GEMM1's bf16 operand and per-row scale.
   fused::gather_dequantize(routing, activation_input(mode), p.x.data,
                            p.x_scale ? p.x_scale->ptr<const uint8_t>() : nullptr, dims.hidden,
                            optional_f32(p.per_token_scale), optional_f32(p.w1_alpha), a1, s1, stream);
+  if (own_rows) fused::route_rows(p, routing, rb, dims.hidden, dims.inter, /*overlap_previous=*/true, stream);
 
   // One grouped GEMM of the pipeline: d [slots, n] = a [slots, k] x w^T, per-row scale s; the expert
   // blocks come from the routing buffers on the device. ep: GEMM1's fused activation epilogue instead of d.
