@@ -176,6 +176,22 @@ def test_alphas_and_pdl():
         cpu = compare_paths(case, tactic, cpu=cpu, enable_pdl=True)
 
 
+@pytest.mark.parametrize("layout", ["gate_up", "up_gate_interleaved64"])
+@pytest.mark.parametrize("activation,params", [ACTIVATION_CASES[0], ACTIVATION_CASES[3]],
+                         ids=[ACTIVATION_IDS[0], ACTIVATION_IDS[3]])
+def test_n8_three_cta_shape(activation, params, layout):
+    """The n8 tile with many tiles runs its 3-stage, 3-CTA-per-SM shape (resident_ctas.h
+    n8_tiles_fill_three_per_sm: >= 6 tiles per SM); its fused-epilogue instantiation is checked here
+    (I = 2048: 32 feature tiles x (rows / 8 + experts hit) >= 792), with several 64-row feature groups."""
+    if activation == "relu2" and layout != "gate_up":
+        pytest.skip("relu2 has no gate/up halves")
+    case = make_case(64, 4, 32, activation, layout, params, hidden=256, inter=2048, seed=31, empty_expert=5)
+    slots, local, hidden, inter, rows1 = fused_moe_dims(case)
+    tiles = (slots // 8 + local) * (rows1 // 128)
+    assert tiles >= 6 * 132, tiles
+    compare_paths(case, "decode_m128_n8_k256", expect_fused=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # fallbacks: the separate kernels run (h written) and the result matches the CPU engine
 # ------------------------------------------------------------------------------------------------

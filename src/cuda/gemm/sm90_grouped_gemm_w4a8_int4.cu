@@ -249,9 +249,11 @@ void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cu
     w.act_out = ep;
     launch_w4a8_wgmma_act_requant(w, rows, tactic.tile_n, stream);
   } else if (is_tactic(tactic, Family::kDecode, 128, 8, 256)) {
-    // The 4-stage shape only: the pipeline keeps the separate kernels where the plain n8 tile would run
-    // its 3-CTA shape (act_requant_pays); a forced call there still gets the right bits.
-    launch_typed<ActE4m3, 2, 1, 4, 1, 2, 4, 2, 2>(params, rows, device, stream);
+    // The plain n8 tile's two shapes (n8_tiles_fill_three_per_sm: 3 stages, 3 CTAs per SM with many tiles).
+    if (n8_tiles_fill_three_per_sm(rows, params.num_experts, params.n, device))
+      launch_typed<ActE4m3, 2, 1, 4, 1, 2, 3, 2, 3>(params, rows, device, stream);
+    else
+      launch_typed<ActE4m3, 2, 1, 4, 1, 2, 4, 2, 2>(params, rows, device, stream);
   } else if (is_tactic(tactic, Family::kDecode, 128, 16, 256)) {
     launch_typed<ActE4m3, 2, 1, 4, 2, 2, 4, 2, 2>(params, rows, device, stream);
   } else if (is_tactic(tactic, Family::kDecode, 128, 24, 256)) {
