@@ -33,7 +33,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 from gpu_common import (  # noqa: E402
-    ACTIVATION_CASES, ACTIVATION_IDS, assert_same_intermediate, EPILOGUE_POISON, EPILOGUE_SHAPES, expected_offsets,
+    ACTIVATION_CASES, ACTIVATION_IDS, assert_same_intermediate, bits, EPILOGUE_POISON, EPILOGUE_SHAPES, expected_offsets,
     fused_epilogue, fused_moe_dims, local_slots, on_device, require_hopper, run_cpu, run_fused_moe_in_workspace,
     to_np)
 
@@ -190,6 +190,23 @@ def test_n8_three_cta_shape(activation, params, layout):
     tiles = (slots // 8 + local) * (rows1 // 128)
     assert tiles >= 6 * 132, tiles
     compare_paths(case, "decode_m128_n8_k256", expect_fused=True)
+
+
+def test_rule_at_the_three_cta_n8_shape():
+    """Unset, the rule (act_requant_pays) fuses on n8's 3-CTA shape up to 15 tiles per SM (tile bound
+    (rows / 8 + experts hit) x feature tiles; 132 SMs: 792 .. 1980) and keeps the separate kernels above;
+    both give the bits of the forced paths."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for tokens, experts, fused in ((8, 32, True), (32, 64, False)):
+        case = make_case(tokens, 8, experts, "swiglu", "gate_up", {}, inter=2048, seed=33 + tokens)
+        slots, local, hidden, inter, rows1 = fused_moe_dims(case)
+        bound = (slots // 8 + min(slots, local)) * (rows1 // 128)
+        assert 6 * sms <= bound and (bound <= 15 * sms) == fused, bound
+        dev = on_device(case)
+        rule = run(case, dev, None, True, tactic="decode_m128_n8_k256")
+        forced = run(case, dev, fused, True, tactic="decode_m128_n8_k256")
+        assert bool((rule["h"] == POISON).all()) == fused, f"T={tokens}: fused={fused} expected by the rule"
+        assert torch.equal(rule["a2"], forced["a2"]) and torch.equal(bits(rule["out"]), bits(forced["out"]))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def test_other_tactics_fall_back(tactic):
 
 def test_rule_keeps_the_three_cta_n8_shape_separate():
     """Unset, the rule (bf16_act_pays) fuses at a small grid and keeps the separate kernels where n8 runs its
-    3-CTA shape (>= 6 x SMs tiles: here 64 experts x 32 feature tiles); "1" fuses there too (4-stage shape),
+    3-CTA shape (>= 6 x SMs tiles: here 64 experts x 32 feature tiles); "1" fuses there too (its 3-CTA instantiation),
     with the same A2 bits."""
     big = make_case("w4a4", 8, 8, 64, "swiglu", {}, inter=2048, seed=25)
     dev = on_device(big)

@@ -18,7 +18,7 @@
 // QMOE_FUSED_EPILOGUE != "0"): steps 5-7 are one kernel, GEMM1's epilogue writes A2 and s2
 // (gemm/w4a8_act_requant.h; bit for bit the separate path's, same arithmetic:
 // fused/activation_math.cuh); h is not written. Otherwise (dynamic a2, the WGMMA tiles without
-// QMOE_WGMMA_FUSED_EPILOGUE=1, the mma.sync prefill tile, the n8 tile's many-tile shape,
+// QMOE_WGMMA_FUSED_EPILOGUE=1, the mma.sync prefill tile, the n8 tile's 3-CTA shape above 15 tiles per SM,
 // QMOE_FUSED_EPILOGUE=0) the separate steps above.
 // Fused finalize (deterministic == false, fused_moe) when GEMM2 runs a decode tile: out is zeroed
 // first (on aux_stream when given, joined back before GEMM2) and GEMM2's epilogue adds

@@ -69,10 +69,12 @@ inline int usable_sms(int device) {
 // 2026-11-30_s5a_*): the 3-CTA shape is 5-12% faster at T = 8-64 and up to 28% slower at T = 1, where
 // the grid is small. Rule: the 3-CTA shape when the tile bound covers two waves of it (6 x SMs). The
 // bound: every token-tile of 8 rows, plus one partial tile for every expert hit.
-inline bool n8_tiles_fill_three_per_sm(int64_t rows, int64_t num_experts, int64_t n, int device) {
+inline int64_t n8_tile_bound(int64_t rows, int64_t num_experts, int64_t n) {
   const int64_t hit = rows < num_experts ? rows : num_experts;
-  const int64_t tiles = (rows / 8 + hit) * ((n + 127) / 128);
-  return tiles >= 6 * static_cast<int64_t>(usable_sms(device));
+  return (rows / 8 + hit) * ((n + 127) / 128);
+}
+inline bool n8_tiles_fill_three_per_sm(int64_t rows, int64_t num_experts, int64_t n, int device) {
+  return n8_tile_bound(rows, num_experts, n) >= 6 * static_cast<int64_t>(usable_sms(device));
 }
 
 }  // namespace qmoe::cuda

@@ -70,9 +70,9 @@ void launch_format(const Bf16W4Params& params, const Tactic& tactic, OutKind out
            tactic.split_k == 1;
   };
   if (is(Family::kDecode, 128, 8, 256)) {
-    // (the fused activation epilogue runs the 4-stage shape: bf16_act_pays keeps it off the 3-CTA one)
-    if (out != OutKind::kAct && n8_tiles_fill_three_per_sm(rows, params.num_experts, params.n, device))
-      launch_out<F, 4, 1, 2, 1, 2, 3, 3>(params, out, rows, device, stream);
+    // (both shapes with the fused activation epilogue; bf16_act_pays says where it pays)
+    if (n8_tiles_fill_three_per_sm(rows, params.num_experts, params.n, device))
+      launch_out<F, 4, 1, 2, 1, 2, 3, 3, 1, true>(params, out, rows, device, stream);
     else
       launch_out<F, 4, 1, 2, 1, 2, 4, 2, 1, true>(params, out, rows, device, stream);
   } else if (is(Family::kDecode, 64, 8, 256)) {

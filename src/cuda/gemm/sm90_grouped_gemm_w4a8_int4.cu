@@ -222,7 +222,8 @@ bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activ
 bool act_requant_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device) {
   if (is_wgmma(tactic)) return wgmma_fused_epilogue_enabled();
   return !is_tactic(tactic, Tactic::Family::kDecode, 128, 8, 256) ||
-         !n8_tiles_fill_three_per_sm(rows, num_experts, n, device);
+         !n8_tiles_fill_three_per_sm(rows, num_experts, n, device) ||
+         n8_tile_bound(rows, num_experts, n) <= kFusedActN8MaxTilesPerSm * usable_sms(device);
 }
 
 void w4a8_moe_mm_act_requant(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t stream,

@@ -45,9 +45,14 @@ bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activ
 // the fused epilogue vs QMOE_FUSED_EPILOGUE=0): it saves the activation kernel (2-6 us at T = 1) but
 // stalls the CTA's main loop once per tile, which costs more than it saves where the n8 tile runs its
 // many-tile shape (3 CTAs per SM, n8_tiles_fill_three_per_sm): DeepSeek-V3 T = 8 / 64 +2% / +3%,
-// Qwen3-235B +5% / +2%. So: every supported tactic except n8 with that many tiles. The WGMMA tiles only
+// Qwen3-235B +5% / +2%. Since session 26 that shape has a fused instantiation of its own (3 stages, 3 CTAs
+// per SM; before, the fused path ran the 4-stage shape there): against the separate kernels it saves 1-5% up
+// to ~15 tiles per SM (Qwen3-30B T = 8-32, Qwen3-235B T = 4 / 8, DeepSeek-V3 T = 4) and costs 1-4% above
+// (DeepSeek-V3 T >= 8, Mixtral T = 4 / 8, Qwen3-235B T >= 16; bench/results/2026-12-02_s26d_*). So: every
+// supported tactic, the n8 tile's 3-CTA shape up to kFusedActN8MaxTilesPerSm tiles per SM. The WGMMA tiles only
 // with QMOE_WGMMA_FUSED_EPILOGUE=1 (bitwise right, but 10-20% slower per prefill layer: sessions 7, 8, 14).
 // rows: GEMM1's rows (slots), num_experts: its experts (local), n: GEMM1's N.
+constexpr int64_t kFusedActN8MaxTilesPerSm = 15;
 bool act_requant_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device);
 
 // GEMM1 (args.d gives the fp32 h shape [R, n] only: nothing is written there) with the fused
