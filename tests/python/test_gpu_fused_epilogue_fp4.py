@@ -3,7 +3,7 @@ w4a8; src/cuda/gemm/bf16_act_requant.h): with a 128-row mma.sync decode tactic f
 gated activation in the up_gate_interleaved64 layout (or ReLU^2) and any requantization but w4a4's
 per-token one, GEMM1's epilogue writes the bf16 intermediate A2 and s2 itself and never writes the fp32 h;
 QMOE_FUSED_EPILOGUE=0 (read on every call) forces the separate kernels, =1 the fused epilogue wherever
-supported (unset: the rule bf16_act_pays, which keeps n8's 3-CTA shape separate).
+supported (unset: the rule bf16_act_pays, which keeps n8's 3-CTA shape separate above 9 tiles per SM).
 
 Every case runs the same device data through both paths with a caller-owned workspace poisoned with
 0xAA bytes and a NaN-poisoned output, then checks:
@@ -16,7 +16,7 @@ Every case runs the same device data through both paths with a caller-owned work
 Coverage: every mode x every activation (swiglu, gpt-oss swiglu_oai, geglu_tanh, relu2, situ) x ragged
 routing (T = 1, top-k 8 at T = 1, an empty expert with -1 / out-of-range ids, all tokens on one expert, a
 hot expert with several token tiles, EP with local experts) x the n8 / n16 tactics forced and the
-heuristic's; the rule that keeps n8's 3-CTA shape separate when the variable is unset; packed FP4 weights;
+heuristic's; the rule on n8's 3-CTA shape when the variable is unset (fused up to 9 tiles per SM); packed FP4 weights;
 I = 2880 (gpt-oss) and a ReLU^2 I whose last 128-row tile is partial; w1 / w2 alphas and PDL; the fallbacks
 ([gate; up] layout, w4a4 per-token scales, other tactics) write h and match the CPU engine; the switch is read
 per call.
@@ -181,17 +181,22 @@ def test_other_tactics_fall_back(tactic):
     compare_paths(case, tactic, expect_fused=False)
 
 
-def test_rule_keeps_the_three_cta_n8_shape_separate():
-    """Unset, the rule (bf16_act_pays) fuses at a small grid and keeps the separate kernels where n8 runs its
-    3-CTA shape (>= 6 x SMs tiles: here 64 experts x 32 feature tiles); "1" fuses there too (its 3-CTA instantiation),
-    with the same A2 bits."""
-    big = make_case("w4a4", 8, 8, 64, "swiglu", {}, inter=2048, seed=25)
-    dev = on_device(big)
-    rule = run(big, dev, None, True, tactic="decode_m128_n8_k256")
-    forced = run(big, dev, True, True, tactic="decode_m128_n8_k256")
-    assert not bool((rule["h"] == POISON).all()), "rule: separate kernels expected at the 3-CTA shape"
-    assert bool((forced["h"] == POISON).all()), "QMOE_FUSED_EPILOGUE=1: fused expected"
-    assert torch.equal(rule["a2"], forced["a2"]) and torch.equal(bits(rule["out"]), bits(forced["out"]))
+def test_rule_at_the_three_cta_n8_shape():
+    """Unset, the rule (bf16_act_pays) fuses at a small grid and on n8's 3-CTA shape (>= 6 x SMs tiles) up to 9
+    tiles per SM (here 4 tokens x 8 over 32 experts: (4 + 32) x 32 feature tiles = 1152), and keeps the separate
+    kernels above (8 tokens over 64 experts: 2304); "1" fuses there too (its 3-CTA instantiation), with the same
+    A2 bits."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for tokens, experts, fused in ((4, 32, True), (8, 64, False)):
+        big = make_case("w4a4", tokens, 8, experts, "swiglu", {}, inter=2048, seed=25 + tokens)
+        bound = (tokens * 8 // 8 + min(tokens * 8, experts)) * (2 * 2048 // 128)
+        assert 6 * sms <= bound and (bound <= 9 * sms) == fused, bound
+        dev = on_device(big)
+        rule = run(big, dev, None, True, tactic="decode_m128_n8_k256")
+        forced = run(big, dev, True, True, tactic="decode_m128_n8_k256")
+        assert bool((rule["h"] == POISON).all()) == fused, f"T={tokens}: rule fused={fused} expected"
+        assert bool((forced["h"] == POISON).all()), "QMOE_FUSED_EPILOGUE=1: fused expected"
+        assert torch.equal(rule["a2"], forced["a2"]) and torch.equal(bits(rule["out"]), bits(forced["out"]))
     small = make_case("w4a4", 1, 8, 64, "swiglu", {}, seed=26)
     assert bool((run(small, on_device(small), None, True, tactic="decode_m128_n8_k256")["h"] == POISON).all())
 

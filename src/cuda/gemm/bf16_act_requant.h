@@ -56,8 +56,14 @@ inline bool bf16_act_supported(const Tactic& tactic, int64_t n, int64_t inter, c
 // Whether the fused epilogue is the faster path (H200, bench/results/2026-12-02_s23_*: the layer with
 // QMOE_FUSED_EPILOGUE=1 vs 0): it saves the activation kernel, but its latency at the end of every tile is
 // not hidden where n8 runs its 3-CTA shape (3 stages; n8_tiles_fill_three_per_sm): Mixtral / gpt-oss T = 8
-// 1-5% slower there, T = 1 and the 2-CTA shapes 0-3% faster. So: every supported tactic except n8 with that
-// many tiles (as act_requant_pays for the W4A8 GEMM). rows: GEMM1's rows (slots), n: GEMM1's N.
+// 1-5% slower there, T = 1 and the 2-CTA shapes 0-3% faster. Since session 26 the 3-CTA shape has a fused
+// instantiation of its own (before, the fused path ran the 4-stage shape there): against the separate kernels
+// (w4a4, packed weights; bench/results/2026-12-02_s26d_*) 3.4-3.5% faster at DeepSeek-V3 / Qwen3-235B T = 4
+// (<= 9 tiles per SM), 0-1% at Qwen3-30B T = 8, gpt-oss T = 4 and Mixtral T = 2, and 1-7% slower from ~12 tiles
+// per SM (Qwen3-30B T = 16, Qwen3-235B T = 8, DeepSeek-V3 T >= 16). So: every supported tactic, n8's 3-CTA shape
+// up to kBf16FusedActN8MaxTilesPerSm tiles per SM (the W4A8 GEMM's fused epilogue pays up to 15: its separate
+// activation kernel costs more). rows: GEMM1's rows (slots), n: GEMM1's N.
+constexpr int64_t kBf16FusedActN8MaxTilesPerSm = 9;
 bool bf16_act_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device);
 
 // GEMM1 with the fused epilogue (args.d is not written; args.d_fp32 and args.scatter are ignored).

@@ -85,7 +85,8 @@ void bf16_w4_moe_mm(const Bf16W4GemmArgs& args, const Tactic& tactic, cudaStream
 
 bool bf16_act_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device) {
   const bool n8 = tactic.family == Tactic::Family::kDecode && tactic.tile_m == 128 && tactic.tile_n == 8;
-  return !n8 || !n8_tiles_fill_three_per_sm(rows, num_experts, n, device);
+  return !n8 || !n8_tiles_fill_three_per_sm(rows, num_experts, n, device) ||
+         n8_tile_bound(rows, num_experts, n) <= kBf16FusedActN8MaxTilesPerSm * usable_sms(device);
 }
 
 void bf16_w4_moe_mm_act(const Bf16W4GemmArgs& args, const Tactic& tactic, cudaStream_t stream,
