@@ -95,21 +95,27 @@ FUSED_EPILOGUE_ENV = "QMOE_FUSED_EPILOGUE"
 
 
 @contextlib.contextmanager
-def fused_epilogue(enabled):
-    """QMOE_FUSED_EPILOGUE for the calls inside (the pipelines read it on every call): True "1" (fused wherever
-    supported), False "0" (never), None unset (the pipeline's rule)."""
-    old = os.environ.get(FUSED_EPILOGUE_ENV)
-    if enabled is None:
-        os.environ.pop(FUSED_EPILOGUE_ENV, None)
+def env_var(name, value):
+    """The environment variable `name` set to `value` (None: unset) for the calls inside (the pipelines read
+    their switches on every call), restored afterwards."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
     else:
-        os.environ[FUSED_EPILOGUE_ENV] = "1" if enabled else "0"
+        os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(FUSED_EPILOGUE_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[FUSED_EPILOGUE_ENV] = old
+            os.environ[name] = old
+
+
+def fused_epilogue(enabled):
+    """QMOE_FUSED_EPILOGUE for the calls inside: True "1" (fused wherever supported), False "0" (never), None
+    unset (the pipeline's rule)."""
+    return env_var(FUSED_EPILOGUE_ENV, None if enabled is None else ("1" if enabled else "0"))
 
 
 def fused_moe_dims(case):
@@ -176,7 +182,8 @@ def run_fused_moe_in_workspace(case, dev, fused, deterministic, bf16_operands, *
     """One qmoe.fused_moe call on the device case `dev` (of the numpy `case`) with QMOE_FUSED_EPILOGUE as
     `fused` (fused_epilogue), into a caller-owned workspace filled with EPILOGUE_POISON and a NaN-poisoned
     bf16 output. Returns the output and, read back from the workspace (workspace_offsets), the routing
-    offsets, h, A2 ([rows, I]: int16 bf16 bits, or uint8 e4m3 codes) and s2 of the valid rows."""
+    offsets, h, A2 ([rows, I]: int16 bf16 bits, or uint8 e4m3 codes) and s2 of the valid rows, and the raw
+    bytes of the other routing buffers and of A1 / s1 (valid rows)."""
     import torch
 
     import qmoe
@@ -196,10 +203,16 @@ def run_fused_moe_in_workspace(case, dev, fused, deterministic, bf16_operands, *
     offsets = region("expert_offsets", 4 * (local + 1)).view(torch.int32).clone()
     rows = int(offsets[-1])
     a2 = region("a2", (2 if bf16_operands else 1) * rows * inter).clone()
+    elem = 2 if bf16_operands else 1
     return dict(out=out, offsets=offsets, rows=rows,
                 h=region("h", 4 * rows * rows1).clone(),
                 a2=(a2.view(torch.int16) if bf16_operands else a2).view(rows, inter),
-                s2=region("s2", 4 * rows).view(torch.float32).clone())
+                s2=region("s2", 4 * rows).view(torch.float32).clone(),
+                # the routing buffers and GEMM1's operand (raw bytes of the valid rows)
+                sizes1=region("problem_sizes1", 12 * local).clone(), sizes2=region("problem_sizes2", 12 * local).clone(),
+                input_permutation=region("input_permutation", 4 * slots).clone(),
+                output_permutation=region("output_permutation", 4 * slots).clone(),
+                a1=region("a1", elem * rows * hidden).clone(), s1=region("s1", 4 * rows).clone())
 
 
 def bits(t):

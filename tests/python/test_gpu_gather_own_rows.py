@@ -15,15 +15,12 @@ w4a4 with and without per_token_scale.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_common import fused_moe_dims, on_device, require_hopper, run_cpu, to_np, workspace_offsets  # noqa: E402
+from gpu_common import env_var, on_device, require_hopper, run_cpu, run_fused_moe_in_workspace, to_np  # noqa: E402
 
 torch = require_hopper()
 
@@ -34,7 +31,6 @@ MODE = "w4a8_int4"
 # quant mode -> the scale variants tested (make_case)
 MODES = {"w4a8_int4": ("static", "per_token", "dynamic"), "w4a4": ("static", "per_token"), "w4a8": ("static",),
          "w4a16": ("static",), "w4a16_int4": ("static",)}
-POISON = 0xAA
 ENV = "QMOE_GATHER_OWN_ROWS"
 
 # name -> (tokens, top_k, experts, make_fused_moe_case keywords)
@@ -50,44 +46,17 @@ CASES = {
 }
 
 
-@contextlib.contextmanager
 def own_rows(enabled):
-    old = os.environ.get(ENV)
-    if enabled:
-        os.environ.pop(ENV, None)
-    else:
-        os.environ[ENV] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old
+    """QMOE_GATHER_OWN_ROWS for the calls inside: unset (the pipeline's rule: own rows up to 512 slots) or "0"."""
+    return env_var(ENV, None if enabled else "0")
 
 
 def run(case, dev, enabled, **options):
-    """One call into a poisoned workspace; the routing buffers, A1 / s1 of the valid rows and the output."""
-    slots, local, hidden, inter, rows1 = fused_moe_dims(case)
-    bf16_operands = case["quant_mode"] != "w4a8_int4"
-    lay = workspace_offsets(slots, local, hidden, inter, rows1, bf16_operands)
-    ws = torch.full((lay["total"],), POISON, dtype=torch.uint8, device="cuda")
-    out = torch.full((case["topk_ids"].shape[0], hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    """One call into a poisoned workspace (gpu_common.run_fused_moe_in_workspace, the fused-epilogue rule unset)."""
     with own_rows(enabled):
-        got = qmoe.fused_moe(**dev, out=out, workspace=ws, deterministic=True, **options)
-    torch.cuda.synchronize()
-    assert got is out
-
-    def region(name, nbytes):
-        return ws[lay[name]:lay[name] + nbytes].clone()
-
-    offsets = region("expert_offsets", 4 * (local + 1)).view(torch.int32)
-    rows = int(offsets[-1])
-    return dict(out=out.view(torch.int16), offsets=offsets,
-                sizes1=region("problem_sizes1", 12 * local), sizes2=region("problem_sizes2", 12 * local),
-                input_permutation=region("input_permutation", 4 * slots),
-                output_permutation=region("output_permutation", 4 * slots),
-                a1=region("a1", (2 if bf16_operands else 1) * rows * hidden), s1=region("s1", 4 * rows))
+        r = run_fused_moe_in_workspace(case, dev, None, True, case["quant_mode"] != "w4a8_int4", **options)
+    r["out"] = r["out"].view(torch.int16)
+    return r
 
 
 def make_case(name, scales, mode=MODE):
