@@ -89,7 +89,8 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
 
   // 1-2. Routing over the local experts. At decode (gather_finds_rows) the gather finds its rows itself and
   // runs first; the routing kernel then runs alongside it (PDL) and waits for it at its end.
-  const bool own_rows = fused::gather_finds_rows(dims.slots);
+  // (H > 0: the gather then launches, and the routing kernel, which does not wait at its start, follows it.)
+  const bool own_rows = fused::gather_finds_rows(dims.slots) && dims.hidden > 0;
   const fused::RowRouting routing = fused::local_routing(p, rb, own_rows, stream);
   if (!own_rows) fused::route_rows(p, routing, rb, dims.hidden, dims.inter, /*overlap_previous=*/false, stream);
 
