@@ -28,13 +28,10 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <string>
-
 #include "cuda/fused/fused_moe_common.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/fused/own_slot_rows.cuh"
 #include "cuda/launch.h"
-#include "qmoe/error.h"
 #include "qmoe/formats.h"
 #include "cuda/common/pdl.cuh"
 
@@ -190,10 +187,7 @@ void gather_dequantize(const RowRouting& routing, ActivationInput input, const v
   const GatherDequantArgs p{routing, x, x_scale, hidden, per_token_scale, w1_alpha, a_out, s1};
   if (hidden <= 0) return;
   if (routing.own_rows) {
-    // Internal invariant (gather_finds_rows): the shared-memory arrays of the own-rows kernel.
-    QMOE_CHECK_ARG(routing.max_rows <= kOwnRowsMaxSlots && routing.topk >= 1 && routing.topk <= kMaxTopk, "topk_ids",
-                   "at most " + std::to_string(kOwnRowsMaxSlots) + " slots and top-k <= 16 for the own-rows gather",
-                   std::to_string(routing.max_rows) + " slots, top-k " + std::to_string(routing.topk));
+    check_own_rows_fit(routing);
     const dim3 grid = rows_by_chunks(routing.max_rows / routing.topk, hidden, int64_t{kThreads} * kChunk);
     switch (input) {
       case ActivationInput::kBf16: launch_kernel(gather_dequant_own_rows_kernel<ActivationInput::kBf16>, grid, kThreads, 0, stream, p); break;

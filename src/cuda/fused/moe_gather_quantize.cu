@@ -21,14 +21,11 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <string>
-
 #include "cuda/common/exact_rounding.cuh"  // UniformDivisor
 #include "cuda/fused/fused_moe_common.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
 #include "cuda/fused/own_slot_rows.cuh"
 #include "cuda/launch.h"
-#include "qmoe/error.h"
 #include "qmoe/formats.h"
 #include "cuda/common/pdl.cuh"
 
@@ -192,10 +189,7 @@ void gather_quantize(const RowRouting& routing, const void* x, bool x_is_e4m3, i
   const bool vectorized = hidden % kVec == 0 && aligned_to(x, 16) && aligned_to(a_out, 8);
   if (routing.topk <= 0) return;
   const dim3 grid = rows_by_chunks(routing.max_rows / routing.topk, hidden, int64_t{kGatherThreads} * kVec);
-  // Internal invariant (gather_finds_rows): the shared-memory arrays of the own-rows kernel.
-  QMOE_CHECK_ARG(!routing.own_rows || (routing.max_rows <= kOwnRowsMaxSlots && routing.topk <= kMaxTopk), "topk_ids",
-                 "at most " + std::to_string(kOwnRowsMaxSlots) + " slots and top-k <= 16 for the own-rows gather",
-                 std::to_string(routing.max_rows) + " slots, top-k " + std::to_string(routing.topk));
+  if (routing.own_rows) check_own_rows_fit(routing);
   if (routing.own_rows) {
     if (vectorized) launch_kernel(gather_quantize_kernel<true, true>, grid, kGatherThreads, 0, stream, p);
     else launch_kernel(gather_quantize_kernel<false, true>, grid, kGatherThreads, 0, stream, p);

@@ -10,10 +10,20 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "cuda/fused/fused_moe_kernels.h"
+#include "qmoe/error.h"
 
 namespace qmoe::cuda::fused {
+
+// Host side, before a gather launches in this mode: the sizes its shared-memory arrays hold (an internal
+// invariant: gather_finds_rows and fused_moe's top_k limit keep every pipeline call inside them).
+inline void check_own_rows_fit(const RowRouting& rt) {
+  QMOE_CHECK_ARG(rt.max_rows <= kOwnRowsMaxSlots && rt.topk >= 1 && rt.topk <= kMaxTopk, "topk_ids",
+                 "at most " + std::to_string(kOwnRowsMaxSlots) + " slots and 1 <= top-k <= 16 for the own-rows gather",
+                 std::to_string(rt.max_rows) + " slots, top-k " + std::to_string(rt.topk));
+}
 
 // keys[s] = local id of slot s, or E_l when dropped; s < rt.max_rows <= kOwnRowsMaxSlots. Every thread
 // of the block calls it; the caller syncs before reading keys.
