@@ -90,6 +90,36 @@ def run_cpu(case: dict, output_dtype="bfloat16", **options) -> np.ndarray:
 
 
 
+def replay_with_new_routings(base, dev, out, body, routings):
+    """CUDA-graph capture and replay with new routings, as an engine does: body() (which writes `out` from the
+    device case `dev` of the numpy case `base`) runs once on a side stream outside the capture (lazy loading,
+    function attributes), is captured, then for each (seed, testing.make_routing keywords) of `routings` the new
+    topk_ids / topk_weights are copied into dev's tensors, `out` is NaN-poisoned and the graph replayed. Yields
+    (seed, the numpy case with that routing, the output as numpy) for the caller to compare."""
+    import torch
+
+    from qmoe import testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    tokens, top_k = base["topk_ids"].shape
+    for seed, kw in routings:
+        ids, weights = testing.make_routing(tokens, top_k, base["num_experts"], seed, **kw)
+        dev["topk_ids"].copy_(torch.from_numpy(ids))
+        dev["topk_weights"].copy_(torch.from_numpy(weights))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        yield seed, dict(base, topk_ids=ids, topk_weights=weights), to_np(out)
+
+
 # ---- helpers of the fused-epilogue tests (test_gpu_fused_epilogue.py, test_gpu_fused_epilogue_fp4.py) ----------
 FUSED_EPILOGUE_ENV = "QMOE_FUSED_EPILOGUE"
 

@@ -24,7 +24,8 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 from gpu_common import (  # noqa: E402
-    ACTIVATION_CASES, ACTIVATION_IDS, on_device, run_cpu, run_gpu, local_slots, require_hopper, to_np)
+    ACTIVATION_CASES, ACTIVATION_IDS, on_device, run_cpu, run_gpu, local_slots, replay_with_new_routings, require_hopper,
+    to_np)
 
 torch = require_hopper()
 
@@ -266,29 +267,10 @@ def test_graph_capture_replays_with_new_routing():
     base = make_case(tokens, top_k, experts, seed=24)
     dev = on_device(base)
     out = torch.empty((tokens, 256), dtype=torch.bfloat16, device=DEV)
-
-    def body():
-        qmoe.fused_moe(**dev, out=out, deterministic=True)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()  # warm-up outside the capture (lazy loading, function attributes)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-
-    for seed, kw in [(1, {}), (2, dict(hot_expert=3)), (3, dict(out_of_range=20, minus_one=10)), (4, {})]:
-        ids, w = testing.make_routing(tokens, top_k, experts, seed, **kw)
-        dev["topk_ids"].copy_(torch.from_numpy(ids))
-        dev["topk_weights"].copy_(torch.from_numpy(w))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        case = dict(base, topk_ids=ids, topk_weights=w)
-        testing.assert_close(to_np(out), run_cpu(case, deterministic=True), MODE, what=f"replay {seed}")
+    routings = [(1, {}), (2, dict(hot_expert=3)), (3, dict(out_of_range=20, minus_one=10)), (4, {})]
+    body = lambda: qmoe.fused_moe(**dev, out=out, deterministic=True)  # noqa: E731
+    for seed, case, got in replay_with_new_routings(base, dev, out, body, routings):
+        testing.assert_close(got, run_cpu(case, deterministic=True), MODE, what=f"replay {seed}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_common import env_var, on_device, require_hopper, run_cpu, run_fused_moe_in_workspace, to_np  # noqa: E402
+from gpu_common import (  # noqa: E402
+    env_var, on_device, replay_with_new_routings, require_hopper, run_cpu, run_fused_moe_in_workspace, to_np)
 
 torch = require_hopper()
 
@@ -91,27 +92,9 @@ def test_graph_replay_with_pdl_reroutes():
     """A CUDA graph captured with own rows and PDL replays new routings of the same shape correctly."""
     case = make_case("T7_dropped_empty", "static")
     dev = on_device(case)
-    tokens, top_k = case["topk_ids"].shape
-    out = torch.empty((tokens, case["w2"].shape[1]), dtype=torch.bfloat16, device="cuda")
-
-    def body():
-        qmoe.fused_moe(**dev, out=out, deterministic=True, enable_pdl=True)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with own_rows(True), torch.cuda.stream(side):
-        body()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with own_rows(True), torch.cuda.graph(graph):
-        body()
-    for seed, kw in [(11, dict(minus_one=2, empty_expert=1)), (12, dict(hot_expert=0)), (13, dict(out_of_range=5))]:
-        ids, wts = testing.make_routing(tokens, top_k, case["num_experts"], seed, **kw)
-        dev["topk_ids"].copy_(torch.from_numpy(ids))
-        dev["topk_weights"].copy_(torch.from_numpy(wts))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        new = dict(case, topk_ids=ids, topk_weights=wts)
-        testing.assert_close(to_np(out), run_cpu(new, deterministic=True), MODE, what=f"graph replay {seed}")
+    out = torch.empty((case["topk_ids"].shape[0], case["w2"].shape[1]), dtype=torch.bfloat16, device="cuda")
+    routings = [(11, dict(minus_one=2, empty_expert=1)), (12, dict(hot_expert=0)), (13, dict(out_of_range=5))]
+    body = lambda: qmoe.fused_moe(**dev, out=out, deterministic=True, enable_pdl=True)  # noqa: E731
+    with own_rows(True):
+        for seed, new, got in replay_with_new_routings(case, dev, out, body, routings):
+            testing.assert_close(got, run_cpu(new, deterministic=True), MODE, what=f"graph replay {seed}")
