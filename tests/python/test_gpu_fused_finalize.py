@@ -15,6 +15,10 @@ view stay poisoned); a 2-byte aligned output view (the finalize-kernel fallback)
 graph capture with aux_stream (two layers in one graph) replayed with new routing; the run-to-run
 spread over 20 runs (printed; bounded by the tolerance); the deterministic mode still bitwise
 stable, unaffected by aux_stream; the aux_stream argument errors.
+
+The w4a8_int4 pipeline does not scatter by default (its y + finalize kernel in the fused rounding order
+measured faster, fused_finalize_scatter in src/cuda/fused/moe_pipeline_steps.cu): every test here forces the
+scatter with QMOE_DECODE_SCATTER=1 (autouse fixture), and test_w4a8_default_keeps_rows_in_y checks the default.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_common import local_slots, on_device, require_hopper, run_cpu, to_np  # noqa: E402
+from gpu_common import env_var, local_slots, on_device, require_hopper, run_cpu, to_np  # noqa: E402
 
 torch = require_hopper()
 
@@ -35,6 +39,14 @@ DEV = torch.device("cuda")
 MODES = ("w4a8_int4", "w4a16")
 OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
 HIDDEN, INTER = 256, 128
+SCATTER_ENV = "QMOE_DECODE_SCATTER"
+
+
+@pytest.fixture(autouse=True)
+def decode_tiles_scatter():
+    """The scatter path under test in both pipelines (QMOE_DECODE_SCATTER=1; read by the pipelines per call)."""
+    with env_var(SCATTER_ENV, "1"):
+        yield
 
 
 # ------------------------------------------------------------------------------------------------
@@ -360,3 +372,29 @@ def test_flashinfer_compat_forwards_aux_stream():
     torch.cuda.synchronize()
     assert got is out
     check(mode, out, cpu_fused(case), "compat aux_stream")
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 128])
+def test_w4a8_default_keeps_rows_in_y(tokens):
+    """w4a8_int4 without QMOE_DECODE_SCATTER: deterministic=False runs y + the finalize kernel's fused mode, so
+    it equals the forced-off path bit for bit, repeats bitwise, and writes every element of a poisoned output
+    (no memset); within tolerance of the CPU engine's fused rounding."""
+    case = make_case("w4a8_int4", tokens, 4, 16, seed=71 + tokens)
+    dev = on_device(case)
+
+    def run():
+        out = torch.full((tokens, HIDDEN), float("nan"), dtype=torch.bfloat16, device=DEV)
+        qmoe.fused_moe(**dev, out=out, deterministic=False)
+        torch.cuda.synchronize()
+        return out.view(torch.int16).clone()
+
+    with env_var(SCATTER_ENV, None):
+        default = [run() for _ in range(3)]
+    with env_var(SCATTER_ENV, "0"):
+        off = run()
+    for again in default[1:]:
+        assert torch.equal(default[0], again), "the default fused finalize of w4a8_int4 is not bitwise stable"
+    assert torch.equal(default[0], off), "the default differs from QMOE_DECODE_SCATTER=0"
+    got = to_np(default[0].view(torch.bfloat16))
+    assert np.isfinite(got.astype(np.float32)).all(), "an output element was left unwritten"
+    check("w4a8_int4", got, cpu_fused(case), f"T={tokens} default fused finalize")

@@ -115,6 +115,9 @@ def _parse_args(argv):
     p.add_argument("--fp4-packed", action="store_true",
                    help="FP4 weight modes: weights prepared by qmoe.quant.pack_fp4_weights, fused_moe(fp4_weights_packed=True)"
                    " (results files get a _packed suffix)")
+    p.add_argument("--aux-stream", action="store_true",
+                   help="pass an aux_stream (one side stream) to qmoe.fused_moe: the fused finalize's output memset "
+                        "then overlaps the layer, as in CuteDslMoEWrapper")
     p.add_argument("--no-torch-peers", action="store_true", help="skip the torch._grouped_mm MoE peers")
     p.add_argument("--peers", default=common.peer_path(PEER_FILE, "QMOE_VLLM_PEERS"),
                    help="vLLM peer measurement JSON ('' to skip; default $QMOE_VLLM_PEERS or the shared/bench copy)")
@@ -449,6 +452,7 @@ def _bench_qmoe(torch, ctx, rows, routes, args, timer, mode=DEFAULT_MODE):
 
     pool = _Pool(make)
     layout = common.mode_gate_up_layout(mode, inter)
+    aux_stream = torch.cuda.Stream() if getattr(args, "aux_stream", False) and not args.dry_run else None
     for row in rows:
         ids, wts = routes[row["T"]]
         try:
@@ -456,10 +460,11 @@ def _bench_qmoe(torch, ctx, rows, routes, args, timer, mode=DEFAULT_MODE):
             row["qmoe_weight_sets"] = n_sets
             row["gate_up_layout"] = layout
             kwargs = []
+            aux = {"aux_stream": aux_stream} if aux_stream is not None else {}
             for w in pool.take(n_sets):
                 act = common.make_mode_activations(torch, mode, row["T"], hidden, gen, device, args.dynamic_scales)
                 kwargs.append(dict(w, **act, topk_ids=ids, topk_weights=wts, quant_mode=mode, num_experts=experts,
-                                   gate_up_layout=layout, **_pdl_kwargs(args),
+                                   gate_up_layout=layout, **_pdl_kwargs(args), **aux,
                                    **({"fp4_weights_packed": True} if packed else {})))
             outs = {f: [torch.empty((row["T"], hidden), device=device, dtype=torch.bfloat16) for _ in kwargs]
                     for f in args.finalize}

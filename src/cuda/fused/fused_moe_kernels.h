@@ -163,13 +163,16 @@ bool fused_epilogue_allowed();  // QMOE_FUSED_EPILOGUE != "0"
 bool fused_epilogue_forced();   // QMOE_FUSED_EPILOGUE == "1"
 
 // The fused finalize as GEMM2's epilogue (DESIGN.md 5.2, use_fused_finalize): for fused_moe
-// (slot_rows == nullptr) with p.deterministic == false, the RowScatterAdd that makes GEMM2 add
-// bf16(rsf * w[s] * v) into p.output[s / topk] (row_slot = input_permutation); otherwise (the
-// deterministic finalize, moe_expert_rows, a GEMM2 tactic that is not a decode tile (measured
-// slower there), or an output not 4-byte aligned, which the paired 16-bit atomics need) an empty
-// one: GEMM2 writes y and finish_rows runs. Launches nothing.
+// (slot_rows == nullptr) with p.deterministic == false in a pipeline whose decode tiles scatter
+// (pipeline_scatters), the RowScatterAdd that makes GEMM2 add bf16(rsf * w[s] * v) into p.output[s / topk]
+// (row_slot = input_permutation); otherwise (the deterministic finalize, moe_expert_rows, a GEMM2 tactic that
+// is not a decode tile (measured slower there), an output not 4-byte aligned, which the paired 16-bit atomics
+// need, or the w4a8_int4 pipeline, whose y + finalize kernel in its fused rounding order measured faster at
+// decode: bench/results/2026-12-02_s27c_*) an empty one: GEMM2 writes y and finish_rows runs the finalize's
+// fused mode. QMOE_DECODE_SCATTER=1 / =0 (read per call) force the scatter on / off wherever it can run (A/B,
+// tests of the scatter path). Launches nothing.
 RowScatterAdd fused_finalize_scatter(const FusedMoeParams& p, const int32_t* input_permutation, const void* slot_rows,
-                                     const Tactic& gemm2_tactic);
+                                     const Tactic& gemm2_tactic, bool pipeline_scatters);
 // Zeroing of p.output for the scatter, [T, H] contiguous (cudaMemsetAsync). p.aux_stream == nullptr:
 // on `stream` now (zero_output_join does nothing). Otherwise fork/join: an event recorded on `stream`,
 // aux_stream waits for it and runs the memset, and zero_output_join makes `stream` wait for the memset

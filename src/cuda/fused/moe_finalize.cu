@@ -28,12 +28,13 @@
 // reads its token's k permutation entries and weights itself and issues the loads of up to 8 slots'
 // rows together before summing them in slot order. Limits: top_k <= 16 (kMaxTopK).
 //
-// NOTE: fused_moe's fused finalize (deterministic == false) normally does not run here: GEMM2's
-// epilogue scatter-adds into the zeroed output atomically (src/cuda/gemm/grouped_gemm_epilogue.cuh,
-// moe_pipeline_steps.cu fused_finalize_scatter). This kernel's "fused" mode is the fallback for an
-// output that is not 4-byte aligned (the paired 16-bit atomics need it): a per-token gather with
-// the reference's fused rounding order, deterministic, whose products use GEMM2's bf16 row where the
-// reference uses the fp32 y (one extra bf16 rounding, inside the tolerance).
+// NOTE: fused_moe's fused finalize (deterministic == false) runs here in the w4a8_int4 pipeline and after
+// prefill tiles; the bf16 x 4-bit pipeline's decode tiles instead scatter-add into the zeroed output
+// atomically (src/cuda/gemm/grouped_gemm_epilogue.cuh, moe_pipeline_steps.cu fused_finalize_scatter), with
+// this kernel as the fallback for an output that is not 4-byte aligned (the paired 16-bit atomics need
+// it). Its "fused" mode is a per-token gather with the reference's fused rounding order, deterministic,
+// whose products use GEMM2's bf16 row where the reference uses the fp32 y (one extra bf16 rounding,
+// inside the tolerance).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

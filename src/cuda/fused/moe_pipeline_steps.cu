@@ -81,9 +81,12 @@ bool fused_epilogue_forced() {
 }
 
 RowScatterAdd fused_finalize_scatter(const FusedMoeParams& p, const int32_t* input_permutation,
-                                     const void* slot_rows, const Tactic& gemm2_tactic) {
+                                     const void* slot_rows, const Tactic& gemm2_tactic, bool pipeline_scatters) {
   RowScatterAdd sc;
   if (slot_rows != nullptr || p.deterministic) return sc;
+  const char* v = std::getenv("QMOE_DECODE_SCATTER");
+  const bool forced = v != nullptr && (v[0] == '0' || v[0] == '1') && v[1] == '\0';
+  if (!(forced ? v[0] == '1' : pipeline_scatters)) return sc;
   // Only the decode tiles scatter. Measured on the H200 (bench/results/2026-11-30_s3_nvidia_h200_moe.md):
   // the WGMMA tiles' epilogue adds single 16-bit values and the layer ran 2.2x slower at DeepSeek-V3
   // T = 4096 than with y + the finalize kernel; the bf16 x 4-bit prefill tile 4-8% slower. Those take

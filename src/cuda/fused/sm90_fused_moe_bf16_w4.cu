@@ -107,7 +107,8 @@ void fused_moe_bf16_w4(const FusedMoeParams& p, const Tactic& gemm1_tactic, cons
   uint16_t* y = reinterpret_cast<uint16_t*>(at(layout.y));  // == a1 (fused_moe_workspace.h)
 
   // The fused finalize: GEMM2 adds into the zeroed output (memset forked onto aux_stream, if any).
-  const RowScatterAdd scatter = fused::fused_finalize_scatter(p, rb.input_permutation, slot_rows, gemm2_tactic);
+  const RowScatterAdd scatter = fused::fused_finalize_scatter(p, rb.input_permutation, slot_rows, gemm2_tactic,
+                                                                /*pipeline_scatters=*/true);
   if (scatter.out != nullptr) fused::zero_output_fork(p, stream);
 
   // 1-2. Routing over the local experts (as the w4a8_int4 pipeline: at decode the gather finds its own rows

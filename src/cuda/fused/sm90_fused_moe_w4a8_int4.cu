@@ -20,10 +20,11 @@
 // fused/activation_math.cuh); h is not written. Otherwise (dynamic a2, the WGMMA tiles without
 // QMOE_WGMMA_FUSED_EPILOGUE=1, the mma.sync prefill tile, the n8 tile's 3-CTA shape above 15 tiles per SM,
 // QMOE_FUSED_EPILOGUE=0) the separate steps above.
-// Fused finalize (deterministic == false, fused_moe) when GEMM2 runs a decode tile: out is zeroed
-// first (on aux_stream when given, joined back before GEMM2) and GEMM2's epilogue adds
-// bf16(rsf * w[s] * s2[r] * acc) into out[t] atomically (gemm/grouped_gemm_epilogue.cuh): no y
-// write, no step 9. Prefill tiles keep y and step 9 (its fused rounding order; faster there).
+// Fused finalize (deterministic == false, fused_moe): y and step 9 in its fused rounding order (per-add
+// bf16 rounding, slot order). GEMM2's decode tiles can instead add bf16(rsf * w[s] * s2[r] * acc) into the
+// zeroed out[t] atomically (gemm/grouped_gemm_epilogue.cuh; out zeroed on aux_stream when given), as the
+// bf16 x 4-bit pipeline does, but here that measured 1-7% slower at T = 1-64 (bench/results/
+// 2026-12-02_s27c_*): only with QMOE_DECODE_SCATTER=1 (fused_finalize_scatter).
 //
 // The only workspace zeroing is the two amax words (cudaMemsetAsync): every other workspace element a
 // kernel reads was written earlier in the same call (per-row kernels stop at expert_offsets[E_l], read
@@ -84,7 +85,8 @@ void fused_moe_w4a8_int4(const FusedMoeParams& p, const Tactic& gemm1_tactic, co
     check_cuda(cudaMemsetAsync(scalars, 0, 4 * FusedMoeWorkspaceLayout::kScalars, stream),
                "cudaMemsetAsync(fused_moe amax)");
   // The fused finalize: GEMM2 adds into the zeroed output (memset forked onto aux_stream, if any).
-  const RowScatterAdd scatter = fused::fused_finalize_scatter(p, rb.input_permutation, slot_rows, gemm2_tactic);
+  const RowScatterAdd scatter = fused::fused_finalize_scatter(p, rb.input_permutation, slot_rows, gemm2_tactic,
+                                                                /*pipeline_scatters=*/false);
   if (scatter.out != nullptr) fused::zero_output_fork(p, stream);
 
   // 1-2. Routing over the local experts. At decode (gather_finds_rows) the gather finds its rows itself and
