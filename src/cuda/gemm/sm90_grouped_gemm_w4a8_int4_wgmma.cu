@@ -43,6 +43,36 @@
 #include "qmoe/error.h"
 
 namespace qmoe::cuda {
+namespace wgmma_two_groups {
+// The order of a computing warpgroup's K groups when two are in flight (both kernels below): group 0 converted and
+// issued into `part`, group 1 converted; then step(next, it, a, a_next, pt, pt_next) per group, alternating the two
+// operand and partial buffers; `next` (std::true_type) when group it + 1 exists and is issued inside the step.
+template <int N, class WaitFull, class Convert, class Issue, class Step>
+__device__ __forceinline__ void run(int total_iters, WaitFull&& wait_full, Convert&& convert, Issue&& issue, Step&& step,
+                                    float (&part)[N], float (&part_b)[N]) {
+  using Next = std::true_type;
+  using Last = std::false_type;
+  uint32_t a_even[4][4], a_odd[4][4];
+  wait_full(0);
+  convert(0, a_even);
+  issue(0, a_even, part);
+  if (total_iters > 1) {
+    wait_full(1);
+    convert(1, a_odd);
+  }
+  int it = 0;
+  for (; it + 2 < total_iters; it += 2) {  // group it in flight in part at every iteration's start
+    step(Next{}, it, a_even, a_odd, part, part_b);
+    step(Next{}, it + 1, a_odd, a_even, part_b, part);
+  }
+  if (total_iters - it == 2) {
+    step(Next{}, it, a_even, a_odd, part, part_b);
+    step(Last{}, it + 1, a_odd, a_even, part_b, part);
+  } else {
+    step(Last{}, it, a_even, a_odd, part, part_b);
+  }
+}
+}  // namespace wgmma_two_groups
 namespace wgmma_prefill {
 
 using namespace wgmma;  // (wgmma_building_blocks.cuh)
@@ -266,27 +296,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
       promote_group(acc, pt, s0, s1);
       if (g == groups - 1) store_tile<OutT, kTileN>(p, tiles[tile_index], acc, r0, tig);
     };
-    using Next = std::true_type;
-    using Last = std::false_type;
-    uint32_t a_even[4][4], a_odd[4][4];
-    wait_full(0);
-    convert(0, a_even);
-    issue(0, a_even, part);
-    if (total_iters > 1) {
-      wait_full(1);
-      convert(1, a_odd);
-    }
-    int it = 0;
-    for (; it + 2 < total_iters; it += 2) {  // group it in flight in part at every iteration's start
-      step2(Next{}, it, a_even, a_odd, part, part_b);
-      step2(Next{}, it + 1, a_odd, a_even, part_b, part);
-    }
-    if (total_iters - it == 2) {
-      step2(Next{}, it, a_even, a_odd, part, part_b);
-      step2(Last{}, it + 1, a_odd, a_even, part_b, part);
-    } else {
-      step2(Last{}, it, a_even, a_odd, part, part_b);
-    }
+    wgmma_two_groups::run(total_iters, wait_full, convert, issue, step2, part, part_b);
     return;
   }
   TileStep step_at;  // the group and tile the next step computes
@@ -543,29 +553,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
         wgmma::store_tile<OutT, TILE_N>(p, t, acc, sc, r0, tig);
       }
     };
-    using Next = std::true_type;
-    using Last = std::false_type;
-    uint32_t a_even[4][4], a_odd[4][4];
-    if (total_iters > 0) {  // (always: the list is not empty and K has a group)
-      wait_full(0);
-      convert(0, a_even);
-      issue(0, a_even, part);
-      if (total_iters > 1) {
-        wait_full(1);
-        convert(1, a_odd);
-      }
-      int it = 0;
-      for (; it + 2 < total_iters; it += 2) {  // group it in flight in part at every iteration's start
-        step(Next{}, it, a_even, a_odd, part, part_b);
-        step(Next{}, it + 1, a_odd, a_even, part_b, part);
-      }
-      if (total_iters - it == 2) {
-        step(Next{}, it, a_even, a_odd, part, part_b);
-        step(Last{}, it + 1, a_odd, a_even, part_b, part);
-      } else {
-        step(Last{}, it, a_even, a_odd, part, part_b);
-      }
-    }
+    // (total_iters > 0 always: the list is not empty and K has a group)
+    if (total_iters > 0) wgmma_two_groups::run(total_iters, wait_full, convert, issue, step, part, part_b);
     return;
   }
   // One K group: its wgmmas on the A operand `a` (converted earlier); while they run, the next
