@@ -92,23 +92,15 @@ def run_cpu(case: dict, output_dtype="bfloat16", **options) -> np.ndarray:
 
 def replay_with_new_routings(base, dev, out, body, routings):
     """CUDA-graph capture and replay with new routings, as an engine does: body() (which writes `out` from the
-    device case `dev` of the numpy case `base`) runs once on a side stream outside the capture (lazy loading,
-    function attributes), is captured, then for each (seed, testing.make_routing keywords) of `routings` the new
+    device case `dev` of the numpy case `base`) is captured by testing.capture_graph after one warm-up run on a
+    side stream (lazy loading, function attributes), then for each (seed, testing.make_routing keywords) of `routings` the new
     topk_ids / topk_weights are copied into dev's tensors, `out` is NaN-poisoned and the graph replayed. Yields
     (seed, the numpy case with that routing, the output as numpy) for the caller to compare."""
     import torch
 
     from qmoe import testing
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    graph = testing.capture_graph(body, warmup=1)
     tokens, top_k = base["topk_ids"].shape
     for seed, kw in routings:
         ids, weights = testing.make_routing(tokens, top_k, base["num_experts"], seed, **kw)
