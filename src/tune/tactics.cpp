@@ -3,7 +3,7 @@
 //
 // Two families share one kernel template (src/cuda/gemm/sm90_grouped_gemm_w4a8_int4.cu), both
 // swap-AB (weight rows on the MMA M side, tokens on the N side):
-//   decode  : 128 (or 64) weight rows x 8/16/32 tokens per CTA tile; made to stream weights, so the
+//   decode  : 128 (or 64, 32) weight rows x 8/16/32 tokens per CTA tile; made to stream weights, so the
 //             token tile is as small as the rows of an expert allow (a 16-token tile for 1 token
 //             wastes no bytes, only MMA slots).
 //   prefill : 128 weight rows x 64 tokens; tensor-core bound (mma.sync), each converted weight
@@ -52,6 +52,9 @@ const std::vector<Tactic>& compiled() {
       // 64 weight rows x 8 tokens, 4 groups per stage: twice the CTAs of the n8 tile, for grids that
       // leave SMs idle.
       make(Family::kDecode, 64, 8, 512),
+      // 32 weight rows x 8 tokens, 4 groups per stage, 6 stages: for grids where even the 64-row tiles fill
+      // fewer than one CTA per SM along a long K (kDecodeM32MinK).
+      make(Family::kDecode, 32, 8, 512),
       make(Family::kPrefill, 128, 64, 256),
       // WGMMA prefill: 128 weight rows x 128 tokens, one K group per stage.
       make(Family::kPrefill, 128, 128, 128),
@@ -184,6 +187,11 @@ constexpr int64_t kBf16N32MaxRows = 28;
 // 64.6 us: its K = 14336 loop, not the grid, is the limit there; a bit-keeping split-K over clusters
 // was built for it and measured 1.4-9x slower everywhere, then removed: design.md 6.2).
 constexpr int64_t kHopperSms = 132;
+// Quarter-height tiles (32 rows, 6 stages) where the 64-row tiles would still leave SMs idle (2 x the n8
+// bound <= 132) and each CTA walks a long K (H200, bench/results/2026-12-03_s28d_*): Mixtral GEMM2 at T = 1
+// (64 n8 tiles, K = 14336) 40.7 -> 31.2 us; where the 64-row grid already fills the GPU they lose (Qwen3-30B
+// T = 1 GEMM1 11.3 -> 13.9 us, GEMM2 7.4 -> 9.3; Mixtral GEMM2 T = 2, up to 128 n8 tiles: 41.4 -> 57.6).
+constexpr int64_t kDecodeM32MinK = 4096;
 
 // 160- vs 128-token WGMMA tiles (H200, bench/results/2026-12-01_s15c_*): a 160-token tile costs ~1.18x a
 // 128-token one (5.6% less per token: the weights' conversion serves 25% more tokens). Which wins is the
@@ -272,6 +280,7 @@ Tactic select_tactic(const GemmProblem& problem) {
   const int64_t hit = rows < experts ? rows : experts;
   const int64_t n8_ctas = rows > 0 ? hit * feature_tiles(problem.n) : 0;
   const bool small_grid = n8_ctas > 0 && n8_ctas < kHopperSms;  // n8: under one CTA per SM
+  const bool tiny_grid = n8_ctas > 0 && 2 * n8_ctas <= kHopperSms && problem.k >= kDecodeM32MinK;  // m64 too
   // The bf16 64-row tile where the n8 grid leaves SMs idle but fills more than half of them: at 92-128 n8 CTAs
   // it is 1.1-1.4x faster; at 64 (Mixtral GEMM2, T = 1: both ~65 us, bound by the walk along K) it is not.
   const bool bf16_small_grid = small_grid && 2 * n8_ctas > kHopperSms;
@@ -286,7 +295,9 @@ Tactic select_tactic(const GemmProblem& problem) {
         : wgmma_tile_pays(160, mu, experts, bf16_n160_cost)          ? make(Family::kPrefill, 128, 160, 128)
                                                                      : make(Family::kPrefill, 128, 128, 128);
   } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
-    t = small_grid ? make(Family::kDecode, 64, 8, 512) : make(Family::kDecode, 128, 8, 256);
+    t = tiny_grid    ? make(Family::kDecode, 32, 8, 512)
+        : small_grid ? make(Family::kDecode, 64, 8, 512)
+                     : make(Family::kDecode, 128, 8, 256);
   } else if (one_wave && rows_per_expert >= kDecodeN24OneWaveMinRows && rows_per_expert <= kDecodeN24OneWaveMaxRows) {
     t = make(Family::kDecode, 128, 24, 256);
   } else if (rows_per_expert <= kDecodeN16MaxRows) {

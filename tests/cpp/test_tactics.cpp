@@ -45,14 +45,26 @@ TEST(Tactics, HalfHeightDecodeTilesWhenTheGridIsSmallerThanTheGpu) {
   auto pick = [](int64_t rows, int64_t experts, int64_t n) {
     return qmoe::select_tactic(problem(rows, experts, n)).name();
   };
-  EXPECT_EQ(pick(1, 256, 4096), "decode_m64_n8_k512");      // one row: 32 tiles of 128
-  EXPECT_EQ(pick(2, 8, 4096), "decode_m64_n8_k512");        // Mixtral GEMM2, T = 1: 2 x 32 tiles
+  EXPECT_EQ(pick(1, 256, 4096), "decode_m32_n8_k512");      // one row: 32 tiles of 128, K = 7168
+  EXPECT_EQ(pick(2, 8, 4096), "decode_m32_n8_k512");        // Mixtral GEMM2, T = 1: 2 x 32 tiles
   EXPECT_EQ(pick(8, 128, 1536), "decode_m64_n8_k512");      // Qwen3-30B GEMM1, T = 1: 8 x 12 tiles
   EXPECT_EQ(pick(8, 128, 2048), "decode_m64_n8_k512");      // Qwen3-30B GEMM2: 8 x 16 = 128 < 132
   EXPECT_EQ(pick(8, 256, 4096), "decode_m128_n8_k256");     // DeepSeek-V3 GEMM1, T = 1: 256 tiles
   EXPECT_EQ(pick(16, 8, 28672), "decode_m128_n8_k256");     // Mixtral GEMM1, T = 8: 8 x 224 tiles
   EXPECT_EQ(pick(0, 8, 4096), "decode_m128_n8_k256");       // no rows: nothing runs
   EXPECT_EQ(pick(40, 8, 4096), "decode_m128_n16_k256");     // 5 rows per expert: the n16 rule first
+}
+
+TEST(Tactics, QuarterHeightDecodeTilesOnlyForTinyGridsAlongALongK) {
+  auto pick = [](int64_t rows, int64_t experts, int64_t n, int64_t k) {
+    return qmoe::select_tactic(problem(rows, experts, n, k)).name();
+  };
+  EXPECT_EQ(pick(2, 8, 4096, 14336), "decode_m32_n8_k512");   // Mixtral GEMM2, T = 1: 64 n8 tiles
+  EXPECT_EQ(pick(2, 8, 4224, 14336), "decode_m32_n8_k512");   // 2 x 33 = 66 n8 tiles: 132 of 64 rows
+  EXPECT_EQ(pick(2, 8, 4352, 14336), "decode_m64_n8_k512");   // 2 x 34 = 68: the 64-row grid fills the GPU
+  EXPECT_EQ(pick(4, 8, 4096, 14336), "decode_m64_n8_k512");   // Mixtral GEMM2, T = 2: up to 128 n8 tiles
+  EXPECT_EQ(pick(2, 8, 4096, 2048), "decode_m64_n8_k512");    // a short K: no gain measured
+  EXPECT_EQ(pick(8, 128, 1536, 2048), "decode_m64_n8_k512");  // Qwen3-30B GEMM1, T = 1
 }
 
 TEST(Tactics, DecodeN16Boundaries) {
@@ -198,7 +210,7 @@ TEST(Tactics, NoValidTacticOutsideLimits) {
 
 TEST(Tactics, NameRoundTrip) {
   auto valid = qmoe::valid_tactics(problem(8));
-  EXPECT_EQ(valid.size(), 12u);
+  EXPECT_EQ(valid.size(), 13u);
   for (const auto& t : valid) {
     EXPECT_EQ(qmoe::parse_tactic(t.name()), t);
     EXPECT_EQ(qmoe::parse_tactic(t.name()).name(), t.name());

@@ -175,6 +175,8 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
   //   decode m128 n32: 128 rows x 32 tokens (n16's warps with 4 token fragments), 3 stages so that two
   //                  CTAs fit: 1.10-1.25x faster than n16 or the WGMMA n64 tile at 24 rows per expert
   //                  (bench/results/2026-11-30_s11b_nvidia_h200_n32_sweep.md).
+  //   decode m32 n8: grids of few 64-row tiles along a long K: 2 M-warps of 16 rows x 2 K warps, 6 stages:
+  //                  Mixtral GEMM2 T = 1 40.7 -> 31.2 us (bench/results/2026-12-03_s28d_*).
   //   decode n32   : 64 rows x 32 tokens, 4 groups per stage, 3 stages (not chosen by the
   //                  heuristic: measured slower than n16 or prefill; kept for forcing/tuning).
   //   prefill n64  : 2 x 2 warps of 64 rows x 32 tokens (converted weights serve 32 columns),
@@ -192,6 +194,8 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
     launch<2, 1, 4, 4, 2, 3, 2, 2>(params, fp32_out, rows, device, stream);  // 3 stages: two CTAs fit (~95 KB each)
   } else if (is(Family::kDecode, 64, 8, 512)) {
     launch<2, 1, 2, 1, 4, 4, 2, 2>(params, fp32_out, rows, device, stream);  // n8 at half height
+  } else if (is(Family::kDecode, 32, 8, 512)) {
+    launch<2, 1, 1, 1, 4, 6, 2, 2>(params, fp32_out, rows, device, stream);  // n8 at quarter height, 6 stages
   } else if (is(Family::kDecode, 64, 32, 512)) {
     launch<4, 1, 1, 4, 4, 3, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kPrefill, 128, 64, 256)) {
