@@ -20,9 +20,10 @@ gate/up layouts ([gate; up] and up_gate_interleaved64); both weight-scale layout
 H = 512: [E, K/512, 4N]); I in {128, 256, 384}; ragged routing: T = 1, odd T, an empty expert, all
 tokens on one expert, ids that are -1 / out of range, EP with local experts (and tokens with no
 local slot); every decode tactic forced plus the heuristic's; w1/w2 alphas; PDL. The WGMMA tiles
-(prefill) take the same epilogue with QMOE_WGMMA_FUSED_EPILOGUE=1 (opt-in): every activation, both
-layouts, both scale layouts, several token tiles per expert, EP. Fallbacks: dynamic a2, the prefill
-tactics without the opt-in (and the mma.sync n64 tile) and the switch write h and match the CPU engine.
+(prefill, all five token tiles) take an in-register version of the epilogue with QMOE_WGMMA_FUSED_EPILOGUE=1
+(opt-in): every gated activation, both layouts, both scale layouts, several token tiles per expert, EP.
+Fallbacks: dynamic a2, the prefill tactics without the opt-in (and the mma.sync n64 tile), ReLU^2 on the
+WGMMA tiles, and the switch write h and match the CPU engine.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ MODE = "w4a8_int4"
 POISON = EPILOGUE_POISON
 DECODE_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256", "decode_m128_n24_k256", "decode_m128_n32_k256",
                   "decode_m64_n8_k512", "decode_m64_n32_k512")
-WGMMA_TACTICS = ("prefill_m128_n128_k128", "prefill_m128_n64_k128", "prefill_m128_n32_k128")
+WGMMA_TACTICS = ("prefill_m128_n160_k128", "prefill_m128_n128_k128", "prefill_m128_n96_k128", "prefill_m128_n64_k128",
+                 "prefill_m128_n32_k128")
 WGMMA_ENV = "QMOE_WGMMA_FUSED_EPILOGUE"  # the WGMMA tiles' fused epilogue is opt-in (w4a8_act_requant.h)
 
 
@@ -231,13 +233,13 @@ def test_prefill_tactics_fall_back(monkeypatch):
         cpu = compare_paths(case, tactic, expect_fused=False, cpu=cpu)
 
 
-@pytest.mark.parametrize("tactic", ["prefill_m128_n160_k128", "prefill_m128_n96_k128"])
-def test_wgmma_tiles_without_park_fall_back_even_when_enabled(monkeypatch, tactic):
-    """The 160-token WGMMA tile has no fused epilogue (its park would not fit in shared memory), nor the
-    96-token one (two K groups in flight): with QMOE_WGMMA_FUSED_EPILOGUE=1 they keep the separate kernels
-    (h written) and the same results."""
+@pytest.mark.parametrize("tactic", WGMMA_TACTICS)
+def test_wgmma_relu2_falls_back_even_when_enabled(monkeypatch, tactic):
+    """The WGMMA tiles' in-register epilogue is for gated activations only: with QMOE_WGMMA_FUSED_EPILOGUE=1
+    ReLU^2 keeps the separate kernels (h written) and the same results."""
     monkeypatch.setenv(WGMMA_ENV, "1")
-    case = make_case(129, 4, 16, "swiglu", "gate_up", {}, hidden=256, inter=384, seed=24, hot_expert=2)
+    activation, params = ACTIVATION_CASES[ACTIVATION_IDS.index("relu2")]
+    case = make_case(129, 4, 16, activation, "gate_up", params, hidden=256, inter=384, seed=24, hot_expert=2)
     compare_paths(case, tactic, expect_fused=False)
 
 
@@ -251,7 +253,7 @@ def test_switch_is_read_per_call():
 
 
 # ------------------------------------------------------------------------------------------------
-# the WGMMA tiles (prefill) with QMOE_WGMMA_FUSED_EPILOGUE=1: park h in shared memory, same items
+# the WGMMA tiles (prefill) with QMOE_WGMMA_FUSED_EPILOGUE=1: a feature's gate and up values in one thread
 # ------------------------------------------------------------------------------------------------
 WGMMA_SHAPES = {
     # name: (tokens, top_k, experts, hidden, inter, make_case keywords)
@@ -278,5 +280,5 @@ def test_wgmma_fused_epilogue_matches_separate_path(activation, params, layout, 
     tactics = [t for t in WGMMA_TACTICS if t in g1 and t in g2]
     assert tactics == list(WGMMA_TACTICS), tactics
     cpu = {}
-    for tactic in tactics:
-        cpu = compare_paths(case, tactic, expect_fused=True, cpu=cpu, routed_scaling_factor=1.5)
+    for tactic in tactics:  # (ReLU^2 keeps the separate kernels on the WGMMA tiles)
+        cpu = compare_paths(case, tactic, expect_fused=activation != "relu2", cpu=cpu, routed_scaling_factor=1.5)

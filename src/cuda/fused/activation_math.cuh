@@ -34,12 +34,25 @@
 
 namespace qmoe::cuda::fused {
 
+// The gated activation of one feature from its gate and up values, the activation known at compile time
+// (kSwiglu, kGegluTanh or kSitu): for epilogues that unroll over many values and branch once per tile.
+template <Activation kAct>
+__device__ __forceinline__ float gated_value_of(const ActivationArgs& a, float g, float u) {
+  static_assert(kAct != Activation::kRelu2, "ReLU^2 is not gated");
+  if constexpr (kAct == Activation::kSwiglu)
+    return activation::swiglu<float>(g, u, a.swiglu_alpha, a.swiglu_beta, a.swiglu_limit);
+  else if constexpr (kAct == Activation::kGegluTanh)
+    return activation::geglu_tanh<float>(g, u);
+  else
+    return activation::situ<float>(g, u, a.situ_beta, a.has_situ_linear_beta, a.situ_linear_beta);
+}
+
 // The gated activation of one feature from its gate and up values (every activation but ReLU^2).
 __device__ __forceinline__ float gated_value(const ActivationArgs& a, float g, float u) {
   switch (a.activation) {
-    case Activation::kSwiglu: return activation::swiglu<float>(g, u, a.swiglu_alpha, a.swiglu_beta, a.swiglu_limit);
-    case Activation::kGegluTanh: return activation::geglu_tanh<float>(g, u);
-    default: return activation::situ<float>(g, u, a.situ_beta, a.has_situ_linear_beta, a.situ_linear_beta);
+    case Activation::kSwiglu: return gated_value_of<Activation::kSwiglu>(a, g, u);
+    case Activation::kGegluTanh: return gated_value_of<Activation::kGegluTanh>(a, g, u);
+    default: return gated_value_of<Activation::kSitu>(a, g, u);
   }
 }
 

@@ -139,6 +139,7 @@ __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const Requ
   float a2 = 1.0f;
   if (!kAmaxOnly) a2 = p.a2_static != nullptr ? p.a2_static[0] : dynamic_fp8_scale(*p.amax_in);
   const UniformDivisor by_a2(a2);  // v / a2 without a division per feature (exact_rounding.cuh)
+  [[maybe_unused]] float pg[kVec] = {}, pu[kVec] = {};  // the next row's h (software pipeline below)
   for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * ROWS; r0 < rows;
        r0 += static_cast<int64_t>(gridDim.y) * ROWS) {
     if (!kAmaxOnly && blockIdx.x == 0 && threadIdx.x == 0) {
@@ -152,7 +153,15 @@ __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const Requ
     }
     if (i0 >= I) continue;  // no barrier below: the commit after the loop is reached by all
     float g[ROWS][kVec] = {}, u[ROWS][kVec] = {};
-    if constexpr (kVectorized) {
+    if constexpr (kVectorized && !kAmaxOnly && ROWS == 1) {
+      // Software pipeline: this row's h came with the previous pass (or is loaded now, at the first), and the
+      // next pass's row is loaded before this row's arithmetic, so a thread keeps loads in flight while it computes.
+      const int64_t next = r0 + static_cast<int64_t>(gridDim.y);
+      if (r0 == static_cast<int64_t>(blockIdx.y)) load_gate_up(p.act, p.h + r0 * p.rows1, I, i0, pg, pu);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) g[0][k] = pg[k], u[0][k] = pu[k];
+      if (next < rows) load_gate_up(p.act, p.h + next * p.rows1, I, i0, pg, pu);
+    } else if constexpr (kVectorized) {
 #pragma unroll
       for (int j = 0; j < ROWS; ++j)
         if (r0 + j < rows) load_gate_up(p.act, p.h + (r0 + j) * p.rows1, I, i0, g[j], u[j]);

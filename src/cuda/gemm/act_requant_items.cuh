@@ -1,5 +1,5 @@
-// The second half of GEMM1's fused activation epilogue (w4a8_act_requant.h), shared by the mma.sync
-// decode kernel and the WGMMA prefill kernels: one tile's h, parked in shared memory as
+// The second half of GEMM1's fused activation epilogue (w4a8_act_requant.h) in the mma.sync decode kernel
+// (the WGMMA kernels keep h in registers: wgmma_building_blocks.cuh act_store_tile): one tile's h, parked in shared memory as
 // park[token * TILE_M + tile row] (h = a_scale(row) * acc, the fp32 value the plain epilogue stores),
 // (or park[token * kStride + tile row]) becomes A2 codes and s2:
 //

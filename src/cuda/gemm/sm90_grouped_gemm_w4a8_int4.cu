@@ -134,8 +134,8 @@ WgmmaGemmParams wgmma_params(const W4A8GemmParams& params) {
 }
 
 // QMOE_WGMMA_FUSED_EPILOGUE=1: GEMM1's fused activation epilogue also on the WGMMA tiles (read per call).
-// Opt-in: correct on the H200 but 10-18% slower per layer at T = 4096 (session 8,
-// bench/results/2026-11-30_s8a_nvidia_h200_wgmma_fused_epilogue.md; tests/python/test_gpu_fused_epilogue.py).
+// Opt-in: correct on the H200 but slower per prefill layer (w4a8_act_requant.h act_requant_pays;
+// tests/python/test_gpu_fused_epilogue.py).
 bool wgmma_fused_epilogue_enabled() {
   const char* v = std::getenv("QMOE_WGMMA_FUSED_EPILOGUE");
   return v != nullptr && v[0] == '1' && v[1] == '\0';
@@ -216,8 +216,8 @@ bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activ
                       is_tactic(tactic, Family::kDecode, 128, 24, 256) || is_tactic(tactic, Family::kDecode, 128, 32, 256) ||
                       is_tactic(tactic, Family::kDecode, 64, 8, 512) || is_tactic(tactic, Family::kDecode, 64, 32, 512);
   if (!(decode || is_wgmma(tactic)) || inter <= 0) return false;
-  // the 160-token WGMMA tile has no park (shared memory); the 96-token one (two groups in flight) has no fused epilogue
-  if (tactic.tile_n == 160 || tactic.tile_n == 96) return false;
+  // The WGMMA tiles' epilogue (in registers, wgmma_building_blocks.cuh) is for gated activations only.
+  if (is_wgmma(tactic) && activation == Activation::kRelu2) return false;
   // Gated: a tile's F = TILE_M / 2 (64 or 32) features never straddle I nor an interleaved 64-group.
   if (activation != Activation::kRelu2) return n == 2 * inter && inter % 64 == 0;
   return n == inter && inter % 2 == 0;  // 2-byte stores of feature pairs

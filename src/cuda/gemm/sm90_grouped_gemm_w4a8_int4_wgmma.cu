@@ -13,10 +13,8 @@
 // tile boundaries. Two kernels (same math, same bits):
 //   wgmma_ws       96-, 128- and 160-token tiles (m64n{96,128,160}k32): warp-specialized, a loading
 //                  warpgroup (per-stage mbarriers) and two computing warpgroups that run out of step,
-//                  6 stages (96 tokens: 8); the 160-token tile has no fused activation epilogue (its park
-//                  would not fit); the 96-token tile keeps two K groups in flight per computing warpgroup
-//                  (kTwoGroupsInFlight: a second partial accumulator, which only fits at up to 96 tokens) and
-//                  has no fused epilogue either;
+//                  6 stages (96 tokens: 8); the 96-token tile keeps two K groups in flight per computing
+//                  warpgroup (kTwoGroupsInFlight: a second partial accumulator, which only fits at up to 96 tokens);
 //   wgmma_prefill  64- and 32-token tiles (wgmma m64n64k32 / m64n32k32), for experts with fewer rows: all
 //                  warps compute in step, two CTAs per SM.
 // Both load a stage by TMA from one thread: the activation box, the weights and the scales as two 64-row
@@ -34,7 +32,6 @@
 #include "cuda/common/int4_to_e4m3.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/common/store_out.cuh"
-#include "cuda/gemm/act_requant_items.cuh"
 #include "cuda/gemm/grouped_tile_list.cuh"
 #include "cuda/gemm/resident_ctas.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
@@ -81,27 +78,21 @@ constexpr int kThreads = 256;  // two warpgroups, both load and compute
 // Convert the next stage's weights while this stage's wgmmas run (else after their wait).
 constexpr bool kOverlapConvert = true;
 
-// TILE_N token rows per tile (the wgmma N: 128, or 64 for experts with fewer rows). kAct: the fused
-// activation epilogue's park, h of one tile (TILE_N x 128 fp32), after the work list.
-template <int TILE_N, bool kAct = false>
+// TILE_N token rows per tile (the wgmma N: 128, or 64 for experts with fewer rows).
+template <int TILE_N>
 struct Shape {
   static_assert(TILE_N == 32 || TILE_N == 64 || TILE_N == 128, "wgmma m64n32k32, m64n64k32 or m64n128k32");
-  // Stages of 17 KB (64 tokens): 5, two CTAs per SM in 2 x 92 KB; with the fused epilogue's 34 KB park, 4
-  // (two CTAs still fit). With the overlapped conversion one stage ahead is landed, the rest in flight.
-  // 32-token tiles (13 KB stages, chosen at 20-26 rows per expert: weight streaming): 8 stages, more
-  // bytes in flight per SM; 6 with the park, so that two CTAs still fit.
-  static constexpr int kStages = TILE_N == 32 ? (kAct ? 6 : 8) : kAct ? 4 : 5;
+  // Stages of 17 KB (64 tokens): 5, two CTAs per SM in 2 x 92 KB. With the overlapped conversion one stage
+  // ahead is landed, the rest in flight. 32-token tiles (13 KB stages, chosen at 20-26 rows per expert: weight
+  // streaming): 8 stages, more bytes in flight per SM.
+  static constexpr int kStages = TILE_N == 32 ? 8 : 5;
   static_assert(kStages >= 3, "the overlapped conversion needs stage it + 1 landed while it + 2.. load");
   static constexpr int kAcc = TILE_N / 2;                 // fp32 accumulator registers per thread
   static constexpr int kStageA = TILE_N * kGroup;         // activations, TILE_N rows x 128 bytes
   static constexpr int kStageBytes = kStageA + kStageW + kStageS;
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
   static constexpr int kBarrierBytes = kStages * 8;  // the "full" mbarriers
-  // park: 16-byte aligned (float2 reads), after the work list; the plain kernels have none.
-  static constexpr int kParkOffset = (kStages * kStageBytes + kBarrierBytes + kTileStartBytes + 15) / 16 * 16;
-  static constexpr int kParkBytes = kAct ? 16 + TILE_N * kParkStride * 4 : 0;
-  static constexpr int kSmemBytes =
-      1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes + kParkBytes;  // + alignment slack
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes;  // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
   static_assert(TILE_N == 128 || 2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs per SM (+ 1 KB reserved each)");
 };
@@ -166,35 +157,37 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[TILE_N / 2], uint32_t a0, u
   else wgmma_m64n32k32(d, a0, a1, a2, a3, desc_b, accumulate);
 }
 
-// The A operand of one stage (both kernels): this thread's int4 weights, rows r0 and r0 + 1 of the stage's
+// The A operand of one stage (both kernels): this thread's int4 weights, rows r0 and r1 of the stage's
 // weight tile at sw (64 bytes a row), as e4m3. K step k (32 K = 16 bytes of a row): the A registers hold
 // K 4 tig..+3 (bytes 2 tig, 2 tig + 1) and K 16 + 4 tig..+3 (bytes 8 + 2 tig, 9 + 2 tig), rows r0 then
-// r0 + 1 (the accumulator rows gid and gid + 8: the thread's two features are adjacent, so the epilogue
-// stores them as one pair). Each 16-bit piece is its own 2-byte load: no extraction shift and select in
-// the conversion chain (1-4% faster, bench/results/2026-12-01_s15b_*).
+// r1: the accumulator rows gid and gid + 8. Plain tiles: r1 = r0 + 1 (the thread's two features are adjacent,
+// so the epilogue stores them as one pair); the fused activation epilogue: r1 = r0 + 64 (a feature's gate and
+// up rows, operand_row0). Each 16-bit piece is its own 2-byte load: no extraction shift
+// and select in the conversion chain (1-4% faster, bench/results/2026-12-01_s15b_*).
 // The weight boxes land with the 64-byte swizzle (wgmma_tma_maps.cu): K step k of row r sits in 16-byte
-// chunk k ^ ((r >> 1) & 3); rows r0 (even) and r0 + 1 share the order.
-__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int tig, uint32_t (&a)[4][4],
+// chunk k ^ ((r >> 1) & 3); rows r0 and r1 share the order (r1 = r0 + 1 with r0 even, or r0 + 64).
+__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int r1, int tig, uint32_t (&a)[4][4],
                                                 const Int4ToE4m3& cvt) {
   const int x = (r0 >> 1) & 3;
   const uint8_t* row0 = sw + r0 * (kGroup / 2) + 2 * tig;
+  const uint8_t* row1 = sw + r1 * (kGroup / 2) + 2 * tig;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const uint8_t* chunk = row0 + 16 * (k ^ x);
-    a[k][0] = cvt(*reinterpret_cast<const uint16_t*>(chunk));
-    a[k][1] = cvt(*reinterpret_cast<const uint16_t*>(chunk + 64));  // row r0 + 1
-    a[k][2] = cvt(*reinterpret_cast<const uint16_t*>(chunk + 8));
-    a[k][3] = cvt(*reinterpret_cast<const uint16_t*>(chunk + 72));
+    const int chunk = 16 * (k ^ x);
+    a[k][0] = cvt(*reinterpret_cast<const uint16_t*>(row0 + chunk));
+    a[k][1] = cvt(*reinterpret_cast<const uint16_t*>(row1 + chunk));
+    a[k][2] = cvt(*reinterpret_cast<const uint16_t*>(row0 + chunk + 8));
+    a[k][3] = cvt(*reinterpret_cast<const uint16_t*>(row1 + chunk + 8));
   }
 }
 
-// OutT ActE4m3: the fused activation epilogue (A2 and s2 instead of d; act_requant_items.cuh).
+// OutT ActE4m3: the fused activation epilogue (A2 and s2 instead of d; act_store_tile, in registers).
 // Thread 0 issues each stage's TMA boxes; per-stage mbarriers say when they landed.
 template <class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const __grid_constant__ ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
-  using S = Shape<TILE_N, kAct>;
+  using S = Shape<TILE_N>;
   constexpr int kTileN = TILE_N;
   constexpr int kStages = S::kStages;
   extern __shared__ uint8_t smem_raw[];
@@ -203,7 +196,6 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * S::kStageBytes);
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem + kStages * S::kStageBytes + S::kBarrierBytes);
   int32_t* warp_total = tile_start + kMaxExperts + 1;
-  [[maybe_unused]] float* park = reinterpret_cast<float*>(smem + S::kParkOffset);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0)
@@ -233,9 +225,10 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
     tma_load_stage<kTileN>(p, boxes, g, smem_u32(stages + (it % kStages) * S::kStageBytes), bar);
   };
 
-  // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {2 gid, 2 gid + 1}.
+  // ---- Consumer: warp w of warpgroup wg owns weight rows wg*64 + w*16 + {2 gid, 2 gid + 1}; with the fused
+  // activation epilogue a feature's gate and up rows (operand_row0).
   const int gid = lane >> 2, tig = lane & 3;
-  const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + 2 * gid, r1 = r0 + 1;
+  const int r0 = operand_row0<kAct>(warp >> 2, warp & 3, gid), r1 = r0 + kOperandRowStep<kAct>;
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
@@ -243,19 +236,27 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   const Int4ToE4m3 cvt = Int4ToE4m3::make();
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
-    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, a, cvt);
+    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, tig, a, cvt);
   };
   // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
+  // Tile t's accumulators out: D, or A2 and s2 (the fused activation epilogue, in registers).
+  auto epilogue = [&](const GroupedTile& t) {
+    float sc[kTileN / 4];
+    load_tile_scales<kTileN>(p, t, tig, sc);
+    if constexpr (kAct) act_store_tile<kTileN>(act_out_of(p), t, acc, sc, r0, lane);
+    else store_tile<OutT, kTileN>(p, t, acc, sc, r0, tig);
+  };
 
   if (tid == 0)
     for (int s = 0; s < kStages - 1 && s < total_iters; ++s) issue_loads(s);
-  if constexpr (!kAct && TILE_N == 32) {
+  if constexpr (TILE_N == 32 && !kAct) {
     // 32-token tiles: two K groups in flight (as wgmma_ws::kTwoGroupsInFlight): group it + 1's wgmmas are issued
     // before group it's are waited for, into a second partial; the barrier that frees stage it then follows group
     // it's wait, and the refill of that stage (group it + kStages) is issued right after it. Same bits; 128
     // registers, no spill; 1-3% faster at 11-22 rows per expert on five model shapes (A/B in one call, H200:
-    // bench/results/2026-12-02_s27a_*).
+    // bench/results/2026-12-02_s27a_*). The fused activation epilogue's kernel keeps one group in flight: with two
+    // its epilogue spilled registers.
     if (tid == 0 && kStages - 1 < total_iters) issue_loads(kStages - 1);
     float part_b[S::kAcc];
 #pragma unroll
@@ -294,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
         convert(it + 2, a);  // a is free: group it's wgmmas have completed
       }
       promote_group(acc, pt, s0, s1);
-      if (g == groups - 1) store_tile<OutT, kTileN>(p, tiles[tile_index], acc, r0, tig);
+      if (g == groups - 1) epilogue(tiles[tile_index]);
     };
     wgmma_two_groups::run(total_iters, wait_full, convert, issue, step2, part, part_b);
     return;
@@ -328,16 +329,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
     promote_group(acc, part, s0, s1);  // fp32 FMA with the bf16 scale of the row, g increasing
 
     if (g == groups - 1) {
-      const GroupedTile t = tiles[tile_index];
-      if constexpr (kAct) {
-        // Fused epilogue: park h, then every thread takes (token, feature pair) items. The next step's
-        // barrier retires park before the next tile's epilogue writes it.
-        park_tile<kTileN>(p, t, acc, park, r0, tig);
-        __syncthreads();
-        act_requant_items<kTileM, kThreads, kParkStride>(p.act_out, t, park, tid);
-      } else {
-        store_tile<OutT, kTileN>(p, t, acc, r0, tig);
-      }
+      epilogue(tiles[tile_index]);
     }
   };
   // Two A buffers, swapped by unrolling two steps (a runtime index would put them in local memory).
@@ -355,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
 }  // namespace wgmma_prefill
 
 // Warp-specialized variant: warpgroup 0 only loads (TMA boxes from its thread 0; completion signalled on a
-// per-stage "full" mbarrier; its other threads run the fused epilogue's items loop, or exit), warpgroups 1
+// per-stage "full" mbarrier; its other threads exit), warpgroups 1
 // and 2 only compute (64 weight rows each) and hand a stage back on its "empty" mbarrier. The two compute warpgroups are not tied together by __syncthreads, so one's
 // int4 -> e4m3 conversion and group promotion run while the other's wgmmas use the tensor cores, and
 // each converts the next stage's weights while its own wgmmas run.
@@ -378,39 +370,29 @@ constexpr bool kOverlapConvert = true;
 // flight; 4-8% faster at 64 rows per expert (bench/results/2026-12-02_s24d_*).
 constexpr bool kTwoGroupsInFlight = true;
 
-// kAct: the fused activation epilogue's park (h of one tile, TILE_N x 128 fp32) after the work list.
-template <int TILE_N, bool kAct = false>
+template <int TILE_N>
 struct Shape {
   static constexpr int kAcc = TILE_N / 2;
   static constexpr int kStageA = TILE_N * kGroup;
   static constexpr int kStageBytes = kStageA + kStageW + kStageS;
   // 128-token tiles: 6 stages (H200, bench/results/2026-11-30_s5a_*: 1-4% faster than 8 at T = 4096, the
   // same at 256-1024); 160-token tiles: 6 (29 KB each); 96-token tiles: 8 (21 KB); 64-token tiles: 12.
-  static_assert(TILE_N == 64 || TILE_N == 96 || TILE_N == 128 || (TILE_N == 160 && !kAct),
-                "wgmma N; no park for 160 tokens");
+  static_assert(TILE_N == 64 || TILE_N == 96 || TILE_N == 128 || TILE_N == 160, "wgmma N");
   static constexpr int kStages = TILE_N >= 128 ? 6 : TILE_N == 96 ? 8 : 12;
   static_assert(kStageBytes % 1024 == 0, "every stage's activation tile stays 1024-byte aligned (128B swizzle)");
   static constexpr int kBarrierBytes = 2 * kStages * 8;
-  static constexpr int kParkOffset = (kStages * kStageBytes + kBarrierBytes + kTileStartBytes + 15) / 16 * 16;
-  // + the two park mbarriers (parked, free) right after h
-  static constexpr int kParkFloats = TILE_N * kParkStride;
-  static constexpr int kParkBytes = kAct ? 16 + kParkFloats * 4 + 16 : 0;
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes + kParkBytes;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes + kTileStartBytes;
   static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of one SM");
 };
 
-// OutT ActE4m3: the fused activation epilogue. The computing warpgroups park each tile's h (after the
-// previous one was taken: mbarrier park_free) and go on; the loading warpgroup runs the items loop
-// (act_requant_items.cuh) on it between its loads (mbarrier parked). Session 6 ran the items loop in the
-// computing warpgroups between two named barriers: bitwise right, 6-10% slower than the separate path
-// at T = 4096 (the tensor cores waited). This version is bitwise right too, and 10-20% slower per layer
-// (sessions 8 and 14, s14i: the items loop's instructions compete for the same SMs' issue slots), so the
-// fused epilogue stays opt-in on the WGMMA tiles (w4a8_act_requant.h).
+// OutT ActE4m3: the fused activation epilogue, in the computing warpgroups' registers (act_store_tile). The
+// earlier versions parked h in shared memory for an items loop (session 6: in the computing warpgroups between
+// named barriers; sessions 8 and 14: in the loading warpgroup): bitwise right but 10-20% slower per prefill layer.
 template <class OutT, int TILE_N>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
-  using S = Shape<TILE_N, kAct>;
+  using S = Shape<TILE_N>;
   constexpr int kStages = S::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = wgmma::align_1024(smem_raw);
@@ -419,19 +401,12 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   uint64_t* empty = full + kStages;
   int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kStages);
   int32_t* warp_total = tile_start + kMaxExperts + 1;
-  [[maybe_unused]] float* park = reinterpret_cast<float*>(smem + S::kParkOffset);
-  [[maybe_unused]] uint64_t* parked = reinterpret_cast<uint64_t*>(park + S::kParkFloats);  // (kAct only)
-  [[maybe_unused]] uint64_t* park_free = parked + 1;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);                  // thread 0's arrival + the boxes' bytes
       mbar_init(&empty[s], 128 * kConsumers);  // every computing thread, after its wgmmas read the stage
-    }
-    if constexpr (kAct) {
-      mbar_init(parked, 128 * kConsumers);  // every computing thread, after its h is in park
-      mbar_init(park_free, 128);             // every loading thread, after its items of that h
     }
   }
   const int E = p.num_experts;
@@ -441,59 +416,32 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   const auto tiles =
       cta_tiles<kThreads, kTileM, TILE_N>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
   if (tiles.empty()) return;
-  if constexpr (kAct) {
-    static_assert(kStages >= 2, "the loader takes a parked h kStages - 1 loads past its tile");
-    if (groups == 0) return;  // (the API rejects K = 0; without groups no h is ever parked)
-  }
   const int total_iters = tiles.count * groups;
 
   if (wg == 0) {
     // ---- Loading warpgroup: stage it % kStages once the computing warpgroups released it.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    // Thread 0 issues the boxes; the other 127 threads stay only for the fused epilogue's items.
-    if (!kAct && tid != 0) return;
-    // Fused epilogue: this warpgroup also turns each parked h into A2 and s2, so that the computing
-    // warpgroups go on with the next tile meanwhile. Tile u's h is taken once kStages - 1 stages past
-    // its end are loaded (the computing warpgroups then have that much work queued); the last tiles'
-    // after the loop. Deadlock-free (kStages >= 2): the computing warpgroups park tile u after tile
-    // u - 1's h was taken, which happens at an earlier load, and after the first stage of tile u + 1,
-    // which the kStages - 1 margin has loaded before the loader waits for tile u's h.
-    [[maybe_unused]] int pending = 0;
-    [[maybe_unused]] auto take_parked = [&]() {
-      if constexpr (kAct) {
-        mbar_wait(parked, pending & 1);
-        act_requant_items<kTileM, 128, kParkStride>(p.act_out, tiles[pending], park, tid);
-        mbar_arrive(park_free);
-        ++pending;
-      }
-    };
+    if (tid != 0) return;  // thread 0 issues the boxes
     // The group and tile are counted (no division per stage); the next tile is located one tile ahead.
     TileStep at;
     LocatedTile ahead = tiles.locate(0);
     TmaTile boxes{};
     for (int it = 0; it < total_iters; ++it) {
       const int g = at.k, s = it % kStages;
-      if constexpr (kAct) {
-        while (pending < tiles.count && it >= (pending + 1) * groups + kStages - 1) take_parked();
-      }
-      if (tid == 0) {
-        if (g == 0) boxes = tma_tile<OutT>(p, tiles.take(ahead, at.tile));
-        mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-        mbar_arrive_expect_tx(&full[s], tma_stage_bytes<TILE_N>(p));
-        tma_load_stage<TILE_N>(p, boxes, g, smem_u32(stages + s * S::kStageBytes), &full[s]);
-      }
+      if (g == 0) boxes = tma_tile<OutT>(p, tiles.take(ahead, at.tile));
+      mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+      mbar_arrive_expect_tx(&full[s], tma_stage_bytes<TILE_N>(p));
+      tma_load_stage<TILE_N>(p, boxes, g, smem_u32(stages + s * S::kStageBytes), &full[s]);
       at.advance(groups);
-    }
-    if constexpr (kAct) {
-      while (pending < tiles.count) take_parked();
     }
     return;
   }
 
-  // ---- Computing warpgroups: warp w of warpgroup c owns weight rows 64 c + 16 (w % 4) + {2 gid, 2 gid + 1}.
+  // ---- Computing warpgroups: warp w of warpgroup c owns weight rows 64 c + 16 (w % 4) + {2 gid, 2 gid + 1}; the
+  // fused activation epilogue: a feature's gate and up rows (operand_row0).
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int gid = lane >> 2, tig = lane & 3;
-  const int r0 = (wg - 1) * 64 + (warp & 3) * 16 + 2 * gid, r1 = r0 + 1;
+  const int r0 = wgmma::operand_row0<kAct>(wg - 1, warp & 3, gid), r1 = r0 + wgmma::kOperandRowStep<kAct>;
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
@@ -503,11 +451,11 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   const Int4ToE4m3 cvt = Int4ToE4m3::make();
   auto convert = [&](int it, uint32_t (&out)[4][4]) {
-    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, tig, out, cvt);
+    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, tig, out, cvt);
   };
 
   GroupedTile t{0, 0, 0, 0};
-  if constexpr (kTwoGroupsInFlight && !kAct && TILE_N <= 96) {
+  if constexpr (kTwoGroupsInFlight && TILE_N <= 96) {
     float part_b[S::kAcc];
 #pragma unroll
     for (int i = 0; i < S::kAcc; ++i) part[i] = part_b[i] = 0.f;  // defined before any wgmma
@@ -550,7 +498,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       if (g == groups - 1) {
         float sc[TILE_N / 4];
         wgmma::load_tile_scales<TILE_N>(p, t, tig, sc);
-        wgmma::store_tile<OutT, TILE_N>(p, t, acc, sc, r0, tig);
+        if constexpr (kAct) wgmma::act_store_tile<TILE_N>(act_out_of(p), t, acc, sc, r0, lane);
+        else wgmma::store_tile<OutT, TILE_N>(p, t, acc, sc, r0, tig);
       }
     };
     // (total_iters > 0 always: the list is not empty and K has a group)
@@ -595,16 +544,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     wgmma::promote_group(acc, part, s0, s1);
     if (last) {
       if (!kEarlyScales) wgmma::load_tile_scales<TILE_N>(p, t, tig, sc);
-      if constexpr (kAct) {
-        // Fused epilogue: park h (once the loading warpgroup has taken the previous tile's), signal,
-        // and go on with the next tile; the loading warpgroup writes A2 and s2 from park.
-        const int u = tile_index;
-        if (u > 0) mbar_wait(park_free, (u - 1) & 1);
-        wgmma::park_tile<TILE_N>(t, acc, sc, park, r0, tig);
-        mbar_arrive(parked);
-      } else {
-        wgmma::store_tile<OutT, TILE_N>(p, t, acc, sc, r0, tig);
-      }
+      if constexpr (kAct) wgmma::act_store_tile<TILE_N>(act_out_of(p), t, acc, sc, r0, lane);
+      else wgmma::store_tile<OutT, TILE_N>(p, t, acc, sc, r0, tig);
     }
   };
   // Two A buffers, swapped by unrolling two steps (a runtime index would put them in local memory).
@@ -623,8 +564,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
 
 
 namespace {
-template <class OutT>
-constexpr bool kActOut = std::is_same<OutT, ActE4m3>::value;
 
 // 96-, 128- and 160-token tiles: the warp-specialized kernel (1.1-1.25x faster on the H200 at DeepSeek-V3,
 // Mixtral and Qwen3-235B prefill shapes, bench/results/2026-11-30_s3_h200_wgmma_ws.md); 64- and 32-token
@@ -633,13 +572,13 @@ constexpr bool kActOut = std::is_same<OutT, ActE4m3>::value;
 template <class OutT, int TILE_N, class Base>
 void launch_typed(const Base& params, int64_t rows, cudaStream_t stream) {
   const auto tp = tma_params(params, rows, TILE_N);
-  constexpr bool kAct = kActOut<OutT>;
   if constexpr (TILE_N >= 96) {
-    launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N, kAct>::kSmemBytes,
-                                                      stream, tp, "w4a8 wgmma prefill");
+    launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N>::kSmemBytes, stream,
+                                                      tp, "w4a8 wgmma prefill");
   } else {
-    launch_persistent<wgmma_prefill::kernel<OutT, TILE_N>>(
-        wgmma_prefill::kThreads, wgmma_prefill::Shape<TILE_N, kAct>::kSmemBytes, stream, tp, "w4a8 wgmma prefill");
+    launch_persistent<wgmma_prefill::kernel<OutT, TILE_N>>(wgmma_prefill::kThreads,
+                                                           wgmma_prefill::Shape<TILE_N>::kSmemBytes, stream, tp,
+                                                           "w4a8 wgmma prefill");
   }
 }
 
@@ -662,9 +601,11 @@ void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int 
 }
 
 void launch_w4a8_wgmma_act_requant(const WgmmaActGemmParams& params, int64_t rows, int tile_n, cudaStream_t stream) {
-  QMOE_CHECK_ARG(tile_n == 32 || tile_n == 64 || tile_n == 128, "tactic", "a WGMMA token tile of 32, 64 or 128",
-                 std::to_string(tile_n));
-  if (tile_n == 128) launch_typed<ActE4m3, 128>(params, rows, stream);
+  QMOE_CHECK_ARG(tile_n == 32 || tile_n == 64 || tile_n == 96 || tile_n == 128 || tile_n == 160, "tactic",
+                 "a WGMMA token tile of 32, 64, 96, 128 or 160", std::to_string(tile_n));
+  if (tile_n == 160) launch_typed<ActE4m3, 160>(params, rows, stream);
+  else if (tile_n == 128) launch_typed<ActE4m3, 128>(params, rows, stream);
+  else if (tile_n == 96) launch_typed<ActE4m3, 96>(params, rows, stream);
   else if (tile_n == 64) launch_typed<ActE4m3, 64>(params, rows, stream);
   else launch_typed<ActE4m3, 32>(params, rows, stream);
 }

@@ -9,9 +9,10 @@
 // fused::activation_requant. h is never written. a2 = a2_scale[0] (static: fc2_input_scale).
 //
 // The mma.sync decode tactics have it (decode_m128_n8_k256, decode_m128_n16_k256, decode_m128_n24_k256, decode_m128_n32_k256,
-// decode_m64_n8_k512, decode_m64_n32_k512), and the WGMMA tiles (prefill_m128_n128_k128, prefill_m128_n64_k128: h parked
-// in shared memory, the same items: act_requant_items.cuh); gated activations need I % 64 == 0 (both
-// layouts; the W4A8 pipeline's GEMM2 already needs I % 128 == 0). act_requant_supported() says whether
+// decode_m64_n8_k512, decode_m64_n32_k512: h parked in shared memory, act_requant_items.cuh), and the WGMMA tiles (all
+// five token tiles, gated activations only: a feature's gate and up values meet in one thread's accumulators,
+// act_store_tile in wgmma_building_blocks.cuh); gated activations need I % 64 == 0 (both layouts; the W4A8
+// pipeline's GEMM2 already needs I % 128 == 0). act_requant_supported() says whether
 // a call can take it; the caller keeps the separate kernels otherwise.
 #pragma once
 
@@ -38,7 +39,7 @@ struct ActRequantEpilogue {
 };
 
 // True when `tactic` is one of the mma.sync decode tactics with the fused epilogue and the sizes fit
-// (gated: GEMM1 rows n == 2I, I % 64 == 0; ReLU^2: n == I, I % 2 == 0).
+// (gated: GEMM1 rows n == 2I, I % 64 == 0; ReLU^2: n == I, I % 2 == 0, mma.sync tiles only).
 bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activation activation);
 
 // Whether the fused epilogue is the faster path (H200, bench/results/2026-11-30_s5e_*: the layer with
@@ -50,7 +51,10 @@ bool act_requant_supported(const Tactic& tactic, int64_t n, int64_t inter, Activ
 // to ~15 tiles per SM (Qwen3-30B T = 8-32, Qwen3-235B T = 4 / 8, DeepSeek-V3 T = 4) and costs 1-4% above
 // (DeepSeek-V3 T >= 8, Mixtral T = 4 / 8, Qwen3-235B T >= 16; bench/results/2026-12-02_s26d_*). So: every
 // supported tactic, the n8 tile's 3-CTA shape up to kFusedActN8MaxTilesPerSm tiles per SM. The WGMMA tiles only
-// with QMOE_WGMMA_FUSED_EPILOGUE=1 (bitwise right, but 10-20% slower per prefill layer: sessions 7, 8, 14).
+// with QMOE_WGMMA_FUSED_EPILOGUE=1: bitwise right, but slower per prefill layer (sessions 7, 8, 14 with h parked in
+// shared memory: 10-20%; session 29 in registers: GEMM1 +8-67%, layer +0.4-19%, bench/results/2026-12-03_s29b_*): the
+// WGMMA kernels are issue-bound (int4 conversion, promotion), and the activation's ~40 instructions per value
+// add to that, while the separate kernel hides them under its memory traffic.
 // rows: GEMM1's rows (slots), num_experts: its experts (local), n: GEMM1's N.
 constexpr int64_t kFusedActN8MaxTilesPerSm = 15;
 bool act_requant_pays(const Tactic& tactic, int64_t rows, int64_t num_experts, int64_t n, int device);

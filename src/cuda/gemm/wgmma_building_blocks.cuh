@@ -2,7 +2,7 @@
 // (128) of one tile: TILE_N activation rows (e4m3, 128-byte swizzle), 128 weight rows (int4, 64 bytes
 // each), their bf16 scales, filled by TMA boxes (the kernel file's tma_load_stage). Here: shared-memory
 // addressing, the wgmma descriptor and fences, mbarriers and the TMA box copy, and the two epilogue
-// stores (plain, and the fused activation epilogue's park).
+// stores (plain, and the fused activation epilogue's in registers).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,10 +23,6 @@ constexpr int kMaxExperts = kTileListMaxExperts;
 constexpr int kStageW = kTileM * kGroup / 2;   // weights, 128 rows x 64 bytes
 constexpr int kStageS = kTileM * 8;            // scales: packed-4 rows of 8 bytes (packed-1 uses 256 bytes)
 constexpr int kTileStartBytes = (kMaxExperts + 1) * 4 + 32 * 4;  // tile prefix + warp totals
-// The fused epilogue's park: one token's h every kParkStride floats. A warp's park writes cover 8 feature
-// pairs (gid) x 4 token columns 2 tig apart; with a 128-float pitch the 4 columns fall in the same banks,
-// with 132 they land 8 banks apart.
-constexpr int kParkStride = kTileM + 4;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -118,26 +114,6 @@ __device__ __forceinline__ void for_each_tile_value(const GroupedTile& t, float 
   }
 }
 
-// The fused activation epilogue's first half (both kernels): this thread's accumulators of tile t
-// (features r0 and r0 + 1) into park as h = a_scale(row) * acc, the value the fp32 epilogue stores
-// (__fmul_rn: one rounding, never contracted), one float2 per token. Token columns past the tile's rows
-// are not written (act_requant_items reads only t.rows tokens).
-// sc: the tile's a_scales (load_tile_scales).
-template <int TILE_N>
-__device__ __forceinline__ void park_tile(const GroupedTile& t, float (&acc)[TILE_N / 2], const float (&sc)[TILE_N / 4],
-                                          float* park, int r0, int tig) {
-  for_each_tile_value<TILE_N>(t, acc, tig, sc, [&](int c, float s, float a0, float a1) {
-    *reinterpret_cast<float2*>(park + c * kParkStride + r0) = make_float2(__fmul_rn(s, a0), __fmul_rn(s, a1));
-  });
-}
-template <int TILE_N>
-__device__ __forceinline__ void park_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
-                                          float* park, int r0, int tig) {
-  float sc[TILE_N / 4];
-  load_tile_scales<TILE_N>(p, t, tig, sc);
-  park_tile<TILE_N>(t, acc, sc, park, r0, tig);
-}
-
 // The plain epilogue (both kernels): accumulators (features r0, r0 + 1; r0 even) of token column c of
 // tile t -> D[token, feature] = out(a_scale(token) * acc), one paired store per token. The op's limits
 // (N % 8 == 0, 16-byte aligned D) keep the pair inside N and aligned.
@@ -157,6 +133,82 @@ __device__ __forceinline__ void store_tile(const WgmmaGemmParams& p, const Group
   float sc[TILE_N / 4];
   load_tile_scales<TILE_N>(p, t, tig, sc);
   store_tile<OutT, TILE_N>(p, t, acc, sc, r0, tig);
+}
+
+// The fused activation epilogue in registers (ActE4m3 tiles of both kernels; w4a8_act_requant.h). A gated tile's
+// 128 weight rows are the gate rows of F = 64 features, then their up rows (act_tile_rows). The thread that owns
+// tile feature f (f = 32 c + 8 w + gid: computing warpgroup c, warp w of it) converts gate row f into its
+// accumulator row gid and up row 64 + f into row gid + 8, so both values of a feature meet in one thread:
+//
+//   A2[token, f0 + f] = e4m3(act(s * acc_gate, s * acc_up) / a2)   s = a_scale(token), f0 = 64 (n0 / 128)
+//   s2[token]         = a2 * w2_alpha[e]                            (the tile with n0 == 0)
+//
+// with s * acc rounded once (__fmul_rn: the fp32 h the plain epilogue stores) and the arithmetic of
+// activation_math.cuh, so the codes are those of the separate activation kernel bit for bit; h is never
+// written. Gated activations only (ReLU^2 keeps the separate kernel at prefill: act_requant_supported), so
+// that the row pair's distance is a compile-time constant (a runtime one spilled the 32-token kernel).
+// The thread's weight row pair (accumulator rows gid, gid + 8) of computing warpgroup c, warp w of it:
+// kGated r0 = the tile feature, r1 = its up row; else r0, r0 + 1 (adjacent features, stored as a pair).
+template <bool kGated>
+__device__ __forceinline__ int operand_row0(int c, int w, int gid) {
+  return kGated ? 32 * c + 8 * w + gid : 64 * c + 16 * w + 2 * gid;
+}
+template <bool kGated>
+constexpr int kOperandRowStep = kGated ? 64 : 1;  // r1 - r0
+
+// Gated: lanes gid and gid ^ 1 (features f and f ^ 1, the same tokens) swap one code, so that each thread stores
+// one 2-byte pair: even f token c (features f, f + 1), odd f token c + 1 (features f - 1, f).
+template <int TILE_N, Activation kAct>
+__device__ __forceinline__ void act_gated_tile(const ActRequantEpilogue& ep, const GroupedTile& t,
+                                               const float (&acc)[TILE_N / 2], const float (&sc)[TILE_N / 4], int f,
+                                               int lane, float a2) {
+  const int tig = lane & 3, odd = f & 1;
+  const int feature = (t.n0 / kTileM) * (kTileM / 2) + f - odd;  // the stored pair's first feature
+  const bool in_range = feature < ep.inter;
+  uint8_t* base = ep.a2 + feature;
+#pragma unroll
+  for (int j = 0; j < TILE_N / 8; ++j) {
+    float v[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float s = sc[2 * j + h];
+      v[h] = fused::requant_value(
+          fused::gated_value_of<kAct>(ep.act, __fmul_rn(s, acc[4 * j + h]), __fmul_rn(s, acc[4 * j + 2 + h])), a2);
+    }
+    const uint32_t mine = fused::e4m3x2(v[0], v[1]);  // tokens c (low byte), c + 1
+    const uint32_t other = __shfl_xor_sync(0xffffffffu, mine, 4);
+    const uint32_t pair = odd ? ((other >> 8) & 0xffu) | (mine & 0xff00u) : (mine & 0xffu) | ((other & 0xffu) << 8);
+    const int token = 8 * j + 2 * tig + odd;
+    if (token < t.rows && in_range)
+      *reinterpret_cast<uint16_t*>(base + static_cast<int64_t>(t.row0 + token) * ep.inter) = static_cast<uint16_t>(pair);
+  }
+}
+
+// Tile t's A2 codes and s2 from this thread's accumulators (r0 = operand_row0<true>), then zeroes them for the
+// next tile. One branch per tile on the activation: each case is unrolled over the accumulators with its own
+// arithmetic only. Every lane of the warp calls it (shuffles).
+template <int TILE_N>
+__device__ __forceinline__ void act_store_tile(const ActRequantEpilogue& ep, const GroupedTile& t,
+                                               float (&acc)[TILE_N / 2], const float (&sc)[TILE_N / 4], int r0,
+                                               int lane) {
+  const float a2 = ep.a2_scale[0];
+  switch (ep.act.activation) {
+    case Activation::kSwiglu: act_gated_tile<TILE_N, Activation::kSwiglu>(ep, t, acc, sc, r0, lane, a2); break;
+    case Activation::kGegluTanh: act_gated_tile<TILE_N, Activation::kGegluTanh>(ep, t, acc, sc, r0, lane, a2); break;
+    default: act_gated_tile<TILE_N, Activation::kSitu>(ep, t, acc, sc, r0, lane, a2); break;
+  }
+  if (t.n0 == 0 && r0 == 0) {  // lanes 0-3 of the first warp hold every token column
+    const float s2 = fused::s2_value(a2, ep.w2_alpha, t.expert);
+#pragma unroll
+    for (int j = 0; j < TILE_N / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int c = 8 * j + 2 * (lane & 3) + h;
+        if (c < t.rows) ep.s2[t.row0 + c] = s2;
+      }
+  }
+#pragma unroll
+  for (int i = 0; i < TILE_N / 2; ++i) acc[i] = 0.f;
 }
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {

@@ -41,6 +41,10 @@ constexpr int kHalf = kTileM / 2;  // weight rows per box of the fused epilogue'
 template <class P>
 constexpr int kWeightBoxRows = std::is_base_of<WgmmaActGemmParams, P>::value ? kHalf : kTileM;
 
+// The fused activation epilogue's arguments (ActE4m3 kernels; the plain kernels never reach the call).
+__device__ __forceinline__ const ActRequantEpilogue& act_out_of(const WgmmaActGemmParams& p) { return p.act_out; }
+__device__ __forceinline__ ActRequantEpilogue act_out_of(const WgmmaGemmParams&) { return {}; }
+
 template <class OutT>
 using ParamsOf = std::conditional_t<std::is_same<OutT, ActE4m3>::value, WgmmaActTmaParams, WgmmaTmaParams>;
 
