@@ -106,6 +106,19 @@ __device__ __forceinline__ void activation8(const ActivationArgs& a, const float
   for (int j = 0; j < kVec; ++j) v[j] = gated_value(a, g[j], u[j]);
 }
 
+// Calls f(r) for every row r < rows that CTA row blockIdx.y visits in the kernels' loops (r0 = (blockIdx.y + k *
+// gridDim.y) * ROWS, + j < ROWS), spread over the CTA's threads, so that the per-row s2 chain (input_permutation ->
+// local_ids -> w2_alpha: three dependent loads) runs once for all of them instead of in one thread per row (which
+// made that warp the CTA's slowest).
+template <int ROWS, class F>
+__device__ __forceinline__ void for_rows_of_cta(int64_t rows, F&& f) {
+  for (int64_t i = threadIdx.x;; i += blockDim.x) {
+    const int64_t r = (static_cast<int64_t>(blockIdx.y) + (i / ROWS) * gridDim.y) * ROWS + i % ROWS;
+    if (r >= rows) break;  // (r grows with i)
+    f(r);
+  }
+}
+
 struct RequantArgs {
   RowRouting routing;
   const float* h;
@@ -139,18 +152,15 @@ __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const Requ
   float a2 = 1.0f;
   if (!kAmaxOnly) a2 = p.a2_static != nullptr ? p.a2_static[0] : dynamic_fp8_scale(*p.amax_in);
   const UniformDivisor by_a2(a2);  // v / a2 without a division per feature (exact_rounding.cuh)
+  if (!kAmaxOnly && blockIdx.x == 0) {
+    for_rows_of_cta<ROWS>(rows, [&](int64_t r) {
+      const int32_t slot = rt.input_permutation[r];
+      p.s2[r] = s2_value(a2, p.w2_alpha, slot >= 0 ? rt.local_ids[slot] : 0);
+    });
+  }
   [[maybe_unused]] float pg[kVec] = {}, pu[kVec] = {};  // the next row's h (software pipeline below)
   for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * ROWS; r0 < rows;
        r0 += static_cast<int64_t>(gridDim.y) * ROWS) {
-    if (!kAmaxOnly && blockIdx.x == 0 && threadIdx.x == 0) {
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) {
-        if (r0 + j >= rows) break;
-        const int32_t slot = rt.input_permutation[r0 + j];
-        const int32_t e = slot >= 0 ? rt.local_ids[slot] : 0;
-        p.s2[r0 + j] = s2_value(a2, p.w2_alpha, e);
-      }
-    }
     if (i0 >= I) continue;  // no barrier below: the commit after the loop is reached by all
     float g[ROWS][kVec] = {}, u[ROWS][kVec] = {};
     if constexpr (kVectorized && !kAmaxOnly && ROWS == 1) {
@@ -289,6 +299,7 @@ __global__ void __launch_bounds__(kThreads) activation_requant_bf16_kernel(const
   const int64_t i0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kVec;
   const bool active = i0 < I;
   const float fc2 = kMode == Bf16Requant::kNvfp4 ? p.fc2_input_scale[0] : 1.0f;
+  if (blockIdx.x == 0) for_rows_of_cta<ROWS>(rows, [&](int64_t r) { p.s2[r] = w2_alpha_of(p, r); });
   // r0 is uniform over the CTA, and so is `r0 + j < rows`: the shuffles below are safe.
   for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * ROWS; r0 < rows;
        r0 += static_cast<int64_t>(gridDim.y) * ROWS) {
@@ -296,11 +307,6 @@ __global__ void __launch_bounds__(kThreads) activation_requant_bf16_kernel(const
 #pragma unroll
     for (int j = 0; j < ROWS; ++j)
       if (active && r0 + j < rows) load_gate_up(p.act, p.h + (r0 + j) * p.rows1, I, i0, g[j], u[j]);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j)
-        if (r0 + j < rows) p.s2[r0 + j] = w2_alpha_of(p, r0 + j);
-    }
 #pragma unroll
     for (int j = 0; j < ROWS; ++j) {
       if (r0 + j >= rows) break;
