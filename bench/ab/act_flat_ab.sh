@@ -7,11 +7,7 @@
 # flat alternated twice, then the fused MoE GPU tests on the flat build. Keep it if it is faster on the Qwen3 shapes
 # and no slower elsewhere (s29c base: 77.7 / 163.0 / ~325 / ~199 us).
 set -e
-bash scripts/device_build.sh > /tmp/b0.log 2>&1 || { tail -30 /tmp/b0.log; exit 1; }
-rm -rf /tmp/pkg_base && cp -r build/device/pkg /tmp/pkg_base
-patch -p1 < bench/ab/act_flat.patch > /dev/null
-bash scripts/device_build.sh > /tmp/b1.log 2>&1 || { tail -30 /tmp/b1.log; exit 1; }
-rm -rf /tmp/pkg_flat && cp -r build/device/pkg /tmp/pkg_flat
+bash bench/ab/build_pair.sh bench/ab/act_flat.patch flat
 for rep in 1 2; do
   for pkg in base flat; do
     echo "=== $pkg rep $rep"

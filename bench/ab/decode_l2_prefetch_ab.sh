@@ -7,11 +7,7 @@
 # latency-bound glue window instead. Qwen3-30B T = 1 needs 19 MB for both GEMMs' weights (fits the 50 MB L2).
 # On the device (carry .dev/cutlass):  bash bench/ab/decode_l2_prefetch_ab.sh
 set -e
-bash scripts/device_build.sh > /tmp/b0.log 2>&1 || { tail -30 /tmp/b0.log; exit 1; }
-rm -rf /tmp/pkg_base && cp -r build/device/pkg /tmp/pkg_base
-patch -p1 < bench/ab/decode_l2_prefetch.patch > /dev/null
-bash scripts/device_build.sh > /tmp/b1.log 2>&1 || { tail -30 /tmp/b1.log; exit 1; }
-rm -rf /tmp/pkg_pf && cp -r build/device/pkg /tmp/pkg_pf
+bash bench/ab/build_pair.sh bench/ab/decode_l2_prefetch.patch pf
 run() {  # $1 label, $2 package, $3 budget MB
   rm -rf /tmp/ab_$1
   QMOE_DECODE_L2_PREFETCH_MB=$3 PYTHONPATH=$2 python3 -m qmoe.cli bench moe --tokens 1,2,4,8 --no-torch-peers \
