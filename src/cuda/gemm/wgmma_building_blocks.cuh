@@ -127,13 +127,6 @@ __device__ __forceinline__ void store_tile(const WgmmaGemmParams& p, const Group
     if (ok) store_out_pair(out, s * a0, s * a1);
   });
 }
-template <class OutT, int TILE_N>
-__device__ __forceinline__ void store_tile(const WgmmaGemmParams& p, const GroupedTile& t, float (&acc)[TILE_N / 2],
-                                           int r0, int tig) {
-  float sc[TILE_N / 4];
-  load_tile_scales<TILE_N>(p, t, tig, sc);
-  store_tile<OutT, TILE_N>(p, t, acc, sc, r0, tig);
-}
 
 // The fused activation epilogue in registers (ActE4m3 tiles of both kernels; w4a8_act_requant.h). A gated tile's
 // 128 weight rows are the gate rows of F = 64 features, then their up rows (act_tile_rows). The thread that owns
