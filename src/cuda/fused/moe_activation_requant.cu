@@ -26,7 +26,9 @@
 //
 // Mapping (decode has T*k = 8 rows): rows x column-chunks (fused_moe_common.cuh); at prefill (rows_batched)
 // the grid is capped at ~16 CTAs per SM and a CTA loops over the rows (one row per CTA without the loop ran at
-// ~1 TB/s there, H200 s17c), 1 row per pass, 2 for the plain bf16 copy (their h loads issued first); each thread 8
+// ~1 TB/s there, H200 s17c), 1 row per pass, 2 for the plain bf16 copy (their h loads issued first; the fp8 requant
+// loads the next pass's row before this row's arithmetic, s29a; a CTA's threads write the s2 of all its rows before
+// the loop, s29c: one thread per row inside it made that warp the slowest); each thread 8
 // consecutive features i0..i0+7 (i0 % 8 == 0): their gate and up columns are contiguous in both
 // layouts (an interleaved 64-group holds whole chunks), so h is read with 16-byte loads and A2
 // written with one 8-byte (e4m3) or 16-byte (bf16) store. An NVFP4 block (16) is 2 adjacent
