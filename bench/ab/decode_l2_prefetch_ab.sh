@@ -8,18 +8,23 @@
 # On the device (carry .dev/cutlass):  bash bench/ab/decode_l2_prefetch_ab.sh
 set -e
 bash bench/ab/build_pair.sh bench/ab/decode_l2_prefetch.patch pf
-run() {  # $1 label, $2 package, $3 budget MB
-  rm -rf /tmp/ab_$1
-  QMOE_DECODE_L2_PREFETCH_MB=$3 PYTHONPATH=$2 python3 -m qmoe.cli bench moe --tokens 1,2,4,8 --no-torch-peers \
-    --finalize det --budget-ms 80 --out-dir /tmp/ab_$1 > /tmp/ab_$1.log 2>&1 || tail -5 /tmp/ab_$1.log
-  echo "== $1: model T det-graph-us"
-  grep -h "^| [a-z]" /tmp/ab_$1/*.md | grep -v "^| model" | awk -F'|' '{print $2, $3, $7}' | tr -s ' ' | tr '\n' ';'; echo
+d=${OUT:-/tmp}/ab  # results land under $OUT as they come, so a cut-off run keeps what it measured
+mkdir -p $d
+run() {  # $1 label, $2 package, $3 budget MB, $4... extra bench args
+  local label=$1 pkg=$2 mb=$3; shift 3
+  rm -rf $d/$label
+  QMOE_DECODE_L2_PREFETCH_MB=$mb PYTHONPATH=$pkg python3 -m qmoe.cli bench moe --tokens 1,2,4,8 --no-torch-peers \
+    --finalize det --budget-ms 80 --out-dir $d/$label "$@" > $d/$label.log 2>&1 || tail -5 $d/$label.log
+  echo "== $label: model T det-graph-us"
+  grep -h "^| [a-z]" $d/$label/*.md | grep -v "^| model" | awk -F'|' '{print $2, $3, $7}' | tr -s ' ' | tr '\n' ';'; echo
 }
-for rep in 1 2; do
-  run base$rep /tmp/pkg_base 0
-  run off$rep /tmp/pkg_pf 0
-  run pf24_$rep /tmp/pkg_pf 24
-  run pf40_$rep /tmp/pkg_pf 40
-done
-QMOE_DECODE_L2_PREFETCH_MB=40 PYTHONPATH=/tmp/pkg_pf timeout 200 python3 -m pytest -q -m gpu \
+run base1 /tmp/pkg_base 0
+run pf40_1 /tmp/pkg_pf 40
+run pf24_1 /tmp/pkg_pf 24
+run off1 /tmp/pkg_pf 0
+run fp4_base /tmp/pkg_base 0 --quant-mode w4a4 --fp4-packed
+run fp4_pf40 /tmp/pkg_pf 40 --quant-mode w4a4 --fp4-packed
+run base2 /tmp/pkg_base 0
+run pf40_2 /tmp/pkg_pf 40
+QMOE_DECODE_L2_PREFETCH_MB=40 PYTHONPATH=/tmp/pkg_pf timeout 150 python3 -m pytest -q -m gpu \
   tests/python/test_gpu_fused_moe.py tests/python/test_gpu_gather_own_rows.py -x 2>&1 | tail -2
