@@ -29,8 +29,8 @@
 // ~1 TB/s there, H200 s17c), 1 row per pass, 2 for the plain bf16 copy (their h loads issued first; the fp8 requant
 // loads the next pass's row before this row's arithmetic, s29a; a CTA's threads write the s2 of all its rows before
 // the loop, s29c: one thread per row inside it made that warp the slowest; where I / 8 is not a multiple of the
-// CTA's 128 threads the fp8 requant runs over a flat (row, chunk) list instead, s30b); each thread 8
-// consecutive features i0..i0+7 (i0 % 8 == 0): their gate and up columns are contiguous in both
+// CTA's 128 threads the requants (not the per-token one) run over a flat (row, chunk) list instead, s30b); each
+// thread 8 consecutive features i0..i0+7 (i0 % 8 == 0): their gate and up columns are contiguous in both
 // layouts (an interleaved 64-group holds whole chunks), so h is read with 16-byte loads and A2
 // written with one 8-byte (e4m3) or 16-byte (bf16) store. An NVFP4 block (16) is 2 adjacent
 // lanes, an MX block (32) 4, reduced with shuffles; max is order-free, so the codes are those of
@@ -366,6 +366,45 @@ __global__ void __launch_bounds__(kThreads) activation_requant_bf16_kernel(const
   }
 }
 
+// The prefill path of kBf16 / kNvfp4 / kMxfp8 where a row's chunks leave lanes of a CTA idle (as
+// activation_requant_flat_kernel): the (row, chunk) items of all rows as one list over a persistent grid, the next
+// item's h loaded before this item's arithmetic. A warp's 32 items are consecutive and its trip count uniform (lanes
+// past the end join the shuffles with zeros); I % 32 == 0 and G % 32 == 0 keep a block's 2 or 4 lanes in one row and
+// lane % 4 == chunk % 4, so the block reductions see the same lanes as in the row kernel. Same bits.
+template <Bf16Requant kMode>
+__global__ void __launch_bounds__(kThreads) activation_requant_bf16_flat_kernel(const RequantBf16Args p) {
+  pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
+  const RowRouting& rt = p.routing;
+  const int64_t valid_rows = rt.expert_offsets[rt.num_local];
+  const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
+  const int64_t I = p.inter, chunks = I / kVec, items = rows * chunks;
+  const float fc2 = kMode == Bf16Requant::kNvfp4 ? p.fc2_input_scale[0] : 1.0f;
+  const int64_t G = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  for (int64_t r = g; r < rows; r += G) p.s2[r] = w2_alpha_of(p, r);
+  const int64_t lane = threadIdx.x & 31;
+  // item = row * chunks + chunk, advanced by G without a division per item
+  int64_t row = g / chunks, chunk = g % chunks;
+  const int64_t step_rows = G / chunks, step_chunks = G % chunks;
+  float pg[kVec] = {}, pu[kVec] = {};
+  if (g < items) load_gate_up(p.act, p.h + row * p.rows1, I, chunk * kVec, pg, pu);
+  for (int64_t item = g; item - lane < items; item += G) {  // uniform over the warp
+    const bool active = item < items;
+    float gv[kVec], uv[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) gv[j] = pg[j], uv[j] = pu[j];
+    int64_t next_row = row + step_rows, next_chunk = chunk + step_chunks;
+    if (next_chunk >= chunks) next_chunk -= chunks, ++next_row;
+    if (item + G < items) load_gate_up(p.act, p.h + next_row * p.rows1, I, next_chunk * kVec, pg, pu);
+    float v[kVec] = {};
+    if (active) activate8(p.act, gv, uv, v);
+    if constexpr (kMode == Bf16Requant::kNvfp4) nvfp4_dequant(v, fc2);
+    if constexpr (kMode == Bf16Requant::kMxfp8) mxfp8_dequant(v);
+    if (active) store_bf16x8(p.a_out + row * I + chunk * kVec, v);
+    row = next_row, chunk = next_chunk;
+  }
+}
+
 // kNvfp4PerToken: one CTA per row (blockIdx.y), the CTA walks the row 1024 features per pass.
 // Pass 1: b = bf16(v) into A2 and the row amax of |b|. Pass 2 re-reads each thread's own chunks
 // (same thread, same addresses: program order makes them visible) and writes md over them.
@@ -417,6 +456,16 @@ __global__ void __launch_bounds__(kThreads) activation_requant_per_token_kernel(
   }
 }
 
+// A flat kernel's grid: one item (row, 8-feature chunk) per thread, at most the CTAs that fit at once.
+template <auto kKernel, class Args>
+void launch_flat(const Args& p, cudaStream_t stream) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const int64_t fit = resident_ctas<kKernel>(kThreads, 0, device, "fused_moe activation_requant");
+  const int64_t need = (p.routing.max_rows * (p.inter / kVec) + kThreads - 1) / kThreads;
+  launch_kernel(kKernel, dim3(static_cast<unsigned>(need < fit ? need : fit)), kThreads, 0, stream, p);
+}
+
 }  // namespace
 
 void activation_amax(const RowRouting& routing, const float* h, int64_t rows1, int64_t inter,
@@ -444,12 +493,7 @@ void activation_requant(const RowRouting& routing, const float* h, int64_t rows1
     // The flat kernel where a row's chunks leave lanes of a CTA idle (I / 8 not a multiple of 128: Qwen3's
     // I = 768 / 1536, 7-13% faster, H200 s30b); elsewhere the row kernel (DeepSeek-V3 I = 2048: flat 2% slower).
     if (batched && (inter / kVec) % kThreads != 0) {
-      int device = 0;
-      check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-      const int64_t fit = resident_ctas<activation_requant_flat_kernel>(kThreads, 0, device, "activation_requant");
-      const int64_t need = (routing.max_rows * (inter / kVec) + kThreads - 1) / kThreads;
-      launch_kernel(activation_requant_flat_kernel, dim3(static_cast<unsigned>(need < fit ? need : fit)), kThreads, 0,
-                    stream, p);
+      launch_flat<activation_requant_flat_kernel>(p, stream);
     } else {
       launch_kernel(batched ? activation_requant_kernel<false, true, kRowsFp8> : activation_requant_kernel<false, true, 1>,
                     grid, kThreads, 0, stream, p);
@@ -477,6 +521,14 @@ void activation_requant_bf16(const RowRouting& routing, const float* h, int64_t 
   constexpr int kRowsPlain = rows_per_pass(Bf16Requant::kBf16), kRowsNvfp4 = rows_per_pass(Bf16Requant::kNvfp4),
                 kRowsMx = rows_per_pass(Bf16Requant::kMxfp8);
   const dim3 grid_per_token = rows_by_chunks(routing.max_rows, inter, int64_t{kThreads} * kVec);
+  if (batched && (inter / kVec) % kThreads != 0 && requant != Bf16Requant::kNvfp4PerToken) {
+    // As activation_requant: the flat kernel where the row kernel leaves lanes idle (Qwen3's I = 768 / 1536).
+    if (requant == Bf16Requant::kBf16) launch_flat<activation_requant_bf16_flat_kernel<Bf16Requant::kBf16>>(p, stream);
+    if (requant == Bf16Requant::kNvfp4) launch_flat<activation_requant_bf16_flat_kernel<Bf16Requant::kNvfp4>>(p, stream);
+    if (requant == Bf16Requant::kMxfp8) launch_flat<activation_requant_bf16_flat_kernel<Bf16Requant::kMxfp8>>(p, stream);
+    check_cuda(cudaGetLastError(), "launch of fused_moe activation_requant_bf16");
+    return;
+  }
   switch (requant) {
     case Bf16Requant::kBf16:
       launch_kernel(batched ? activation_requant_bf16_kernel<Bf16Requant::kBf16, kRowsPlain>
