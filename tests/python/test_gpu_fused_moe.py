@@ -183,6 +183,15 @@ def test_all_tokens_on_one_expert(tokens, top_k):
     check(case, deterministic=False)
 
 
+@pytest.mark.parametrize("inter", [1024, 768])
+def test_prefill_activation_kernels(inter):
+    """2400 rows: the activation kernel loops over rows (rows_batched); I = 1024 takes the row kernel, I = 768
+    (96 chunks of 8 features, not a multiple of 128) the flat (row, chunk) kernel (moe_activation_requant.cu).
+    An empty expert and a hot one make the row blocks ragged."""
+    case = make_case(600, 4, 8, inter=inter, seed=inter, hot_expert=1, empty_expert=6)
+    check(case, deterministic=True)
+
+
 def test_hot_expert_and_empty_expert():
     case = make_case(70, 4, 8, seed=17, hot_expert=2, empty_expert=5)
     check(case, deterministic=True)

@@ -163,6 +163,16 @@ def test_sizes(mode, tokens, top_k, experts):
           what=f"{mode} T={tokens} k={top_k} E={experts}")
 
 
+@pytest.mark.parametrize("inter", [1024, 768])
+@pytest.mark.parametrize("mode", MODES)
+def test_prefill_activation_kernels(mode, inter):
+    """2400 rows: the bf16 requant loops over rows (rows_batched); I = 1024 takes the row kernel, I = 768 (96
+    chunks of 8 features, not a multiple of 128) the flat (row, chunk) kernel, whose NVFP4 / MX blocks are
+    reduced over lanes as in the row kernel (moe_activation_requant.cu)."""
+    case = make_case(mode, 600, 4, 8, inter=inter, seed=inter + MODES.index(mode), hot_expert=1, empty_expert=6)
+    check(case, deterministic=True, what=f"{mode} I={inter}")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_hidden_and_inter_not_powers_of_two(mode):
     """int4: H = 512, I = 384 (GEMM1 scales in the [E, K/512, 4N] layout, GEMM2's in [E, K/128, N]);
