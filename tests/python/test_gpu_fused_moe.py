@@ -111,10 +111,11 @@ def test_hidden_and_inter_sizes(hidden, inter):
 # ------------------------------------------------------------------------------------------------
 # activation scales, alphas, output dtypes
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens", [29, 160])  # 116 slots: the gather finds its rows (decode); 640: prefill gather
 @pytest.mark.parametrize("a2", ["static", "dynamic"])
 @pytest.mark.parametrize("a1", ["static", "dynamic", "per_token", "e4m3_x"])
-def test_activation_scales(a1, a2):
-    case = make_case(29, 4, 8, seed=11)
+def test_activation_scales(a1, a2, tokens):
+    case = make_case(tokens, 4, 8, seed=11 + tokens)
     x = case["x"].astype(np.float32)
     if a1 == "dynamic":
         case["x_scale"] = None
