@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran in session 30 (bench/results/2026-12-03_s30b_*); the patch landed in 9fd8fde (with a rule: only where I / 8
+# is not a multiple of 128).
 # Prepared in session 29 (compile-checked with nvcc -Xptxas -v: 61 registers, no spill; not run). A/B of the
 # flattened activation kernel (bench/ab/act_flat.patch: the (row, chunk) items of all rows over a persistent grid, so
 # that no lane idles at I = 768 / 1536; same arithmetic and bits) against the tree, on the device (carry .dev/cutlass):

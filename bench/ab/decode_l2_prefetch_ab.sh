@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran in session 30 (bench/results/2026-12-03_s30a_*): up to 4x slower, not kept.
 # Prepared in session 29 (compile-checked, not run). At decode the own-rows gather's first CTA asks L2 for the weight
 # blocks of the experts its slots hit (GEMM1's weights and scales, then GEMM2's; cp.async.bulk.prefetch.L2, up to a
 # budget), so that they stream in while the gather and the routing kernel run, before GEMM1's main loop

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 30, on the device (carry .dev/cutlass): two A/Bs of prefill glue kernels and the GPU suite, one call.
+# Ran in session 30 (bench/results/2026-12-03_s30c_*); gather_vec16.patch has since landed (211f46d), so this
+# script no longer applies to the tree as it is. Session 30, on the device (carry .dev/cutlass): two A/Bs of prefill glue kernels and the GPU suite, one call.
 #   base    = the tree (the bf16 requant of the FP4 modes on the flat (row, chunk) kernel where the row kernel
 #             idles lanes, as the fp8 one since s30b)
 #   g16     = base + bench/ab/gather_vec16.patch (prefill gather: 16 columns per thread, 16-byte stores)
