@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 30: the fp8 flat activation kernel with 16-feature items (16-byte stores) vs 8 (QMOE_ACT_FLAT8=1, a
 # temporary switch of this A/B), Qwen3 shapes at T = 4096, plus the fused GPU tests on the 16-feature kernel.
+# Ran in session 30 (bench/results/2026-12-03_s30e_*): 20% slower, not kept; apply bench/ab/act_flat16.patch first.
 set -e
 bash scripts/device_build.sh > $OUT/build.log 2>&1 || { tail -30 $OUT/build.log; exit 1; }
 export PYTHONPATH=$PWD/build/device/pkg

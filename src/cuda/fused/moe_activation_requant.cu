@@ -42,7 +42,6 @@
 // and FMA corrections or an exact multiply, bit-identical (cuda/common/exact_rounding.cuh).
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "cuda/common/exact_rounding.cuh"  // UniformDivisor, e2m1_round
@@ -216,14 +215,12 @@ __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const Requ
 // as one list over a persistent grid (thread g takes items g, g + G, ...), so that no lane idles where I / 8 is not
 // a multiple of the CTA's 128 threads (activation_requant_kernel at I = 768 keeps 96 of 128 lanes busy, at I = 1536
 // 192 of 256); the next item's h is loaded before this item's arithmetic (as there). Same arithmetic, same bits.
-template <int kChunks>  // 8-feature chunks per item
 __global__ void __launch_bounds__(kThreads) activation_requant_flat_kernel(const RequantArgs p) {
   pdl_wait_then_release();  // first: see cuda/common/pdl.cuh
   const RowRouting& rt = p.routing;
   const int64_t valid_rows = rt.expert_offsets[rt.num_local];
   const int64_t rows = valid_rows < rt.max_rows ? valid_rows : rt.max_rows;
-  constexpr int kF = kVec * kChunks;
-  const int64_t I = p.inter, chunks = I / kF;
+  const int64_t I = p.inter, chunks = I / kVec;
   const float a2 = p.a2_static != nullptr ? p.a2_static[0] : dynamic_fp8_scale(*p.amax_in);
   const UniformDivisor by_a2(a2);  // v / a2 without a division per feature (exact_rounding.cuh)
   const int64_t G = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -236,36 +233,22 @@ __global__ void __launch_bounds__(kThreads) activation_requant_flat_kernel(const
   // item = row * chunks + chunk, advanced by G without a division per item
   int64_t row = g / chunks, chunk = g % chunks;
   const int64_t step_rows = G / chunks, step_chunks = G % chunks;
-  float pg[kChunks][kVec] = {}, pu[kChunks][kVec] = {};
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) load_gate_up(p.act, p.h + row * p.rows1, I, chunk * kF + c * kVec, pg[c], pu[c]);
+  float pg[kVec] = {}, pu[kVec] = {};
+  load_gate_up(p.act, p.h + row * p.rows1, I, chunk * kVec, pg, pu);
   for (;;) {
-    float gv[kChunks][kVec], uv[kChunks][kVec];
+    float gv[kVec], uv[kVec];
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) gv[c][j] = pg[c][j], uv[c][j] = pu[c][j];
+    for (int j = 0; j < kVec; ++j) gv[j] = pg[j], uv[j] = pu[j];
     int64_t next_row = row + step_rows, next_chunk = chunk + step_chunks;
     if (next_chunk >= chunks) next_chunk -= chunks, ++next_row;
     const bool more = next_row < rows;
-    if (more) {
+    if (more) load_gate_up(p.act, p.h + next_row * p.rows1, I, next_chunk * kVec, pg, pu);
+    float v[kVec], q[kVec];
+    activate8(p.act, gv, uv, v);
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-        load_gate_up(p.act, p.h + next_row * p.rows1, I, next_chunk * kF + c * kVec, pg[c], pu[c]);
-    }
-    uint32_t codes[2 * kChunks];
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      float v[kVec], q[kVec];
-      activate8(p.act, gv[c], uv[c], v);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) q[j] = by_a2.divide(v[j]);  // = requant_value(v[j], a2), bit for bit
-      codes[2 * c] = e4m3x4(q[0], q[1], q[2], q[3]);
-      codes[2 * c + 1] = e4m3x4(q[4], q[5], q[6], q[7]);
-    }
-    uint8_t* dst = p.a_out + row * I + chunk * kF;
-    if constexpr (kChunks == 2) *reinterpret_cast<uint4*>(dst) = make_uint4(codes[0], codes[1], codes[2], codes[3]);
-    else *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0], codes[1]);
+    for (int j = 0; j < kVec; ++j) q[j] = by_a2.divide(v[j]);  // = requant_value(v[j], a2), bit for bit
+    *reinterpret_cast<uint2*>(p.a_out + row * I + chunk * kVec) =
+        make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
     if (!more) break;
     row = next_row, chunk = next_chunk;
   }
@@ -475,11 +458,11 @@ __global__ void __launch_bounds__(kThreads) activation_requant_per_token_kernel(
 
 // A flat kernel's grid: one item (row, 8-feature chunk) per thread, at most the CTAs that fit at once.
 template <auto kKernel, class Args>
-void launch_flat(const Args& p, cudaStream_t stream, int64_t features_per_item = kVec) {
+void launch_flat(const Args& p, cudaStream_t stream) {
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   const int64_t fit = resident_ctas<kKernel>(kThreads, 0, device, "fused_moe activation_requant");
-  const int64_t need = (p.routing.max_rows * (p.inter / features_per_item) + kThreads - 1) / kThreads;
+  const int64_t need = (p.routing.max_rows * (p.inter / kVec) + kThreads - 1) / kThreads;
   launch_kernel(kKernel, dim3(static_cast<unsigned>(need < fit ? need : fit)), kThreads, 0, stream, p);
 }
 
@@ -510,11 +493,7 @@ void activation_requant(const RowRouting& routing, const float* h, int64_t rows1
     // The flat kernel where a row's chunks leave lanes of a CTA idle (I / 8 not a multiple of 128: Qwen3's
     // I = 768 / 1536, 7-13% faster, H200 s30b); elsewhere the row kernel (DeepSeek-V3 I = 2048: flat 2% slower).
     if (batched && (inter / kVec) % kThreads != 0) {
-      if (inter % 16 == 0 && aligned_to(a_out, 16) && std::getenv("QMOE_ACT_FLAT8") == nullptr) {
-        launch_flat<activation_requant_flat_kernel<2>>(p, stream, 16);
-      } else {
-        launch_flat<activation_requant_flat_kernel<1>>(p, stream);
-      }
+      launch_flat<activation_requant_flat_kernel>(p, stream);
     } else {
       launch_kernel(batched ? activation_requant_kernel<false, true, kRowsFp8> : activation_requant_kernel<false, true, 1>,
                     grid, kThreads, 0, stream, p);
