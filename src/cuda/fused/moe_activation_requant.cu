@@ -211,6 +211,21 @@ __global__ void __launch_bounds__(kThreads) activation_requant_kernel(const Requ
   if (kAmaxOnly) block_amax_commit(m, p.amax_out);  // every thread reaches this
 }
 
+// The flat kernels' position: (row, chunk) of item row * chunks + chunk, stepped by the grid's G threads without a
+// division per step.
+struct FlatCursor {
+  int64_t row, chunk;
+  int64_t step_rows, step_chunks, chunks;
+  __device__ __forceinline__ FlatCursor(int64_t item, int64_t G, int64_t n)
+      : row(item / n), chunk(item % n), step_rows(G / n), step_chunks(G % n), chunks(n) {}
+  __device__ __forceinline__ FlatCursor next() const {
+    FlatCursor c = *this;
+    c.row += step_rows, c.chunk += step_chunks;
+    if (c.chunk >= chunks) c.chunk -= chunks, ++c.row;
+    return c;
+  }
+};
+
 // The prefill path of activation_requant (rows_batched, vectorized): the (row, 8-feature chunk) items of all rows
 // as one list over a persistent grid (thread g takes items g, g + G, ...), so that no lane idles where I / 8 is not
 // a multiple of the CTA's 128 threads (activation_requant_kernel at I = 768 keeps 96 of 128 lanes busy, at I = 1536
@@ -230,27 +245,24 @@ __global__ void __launch_bounds__(kThreads) activation_requant_flat_kernel(const
     p.s2[r] = s2_value(a2, p.w2_alpha, slot >= 0 ? rt.local_ids[slot] : 0);
   }
   if (g >= rows * chunks) return;
-  // item = row * chunks + chunk, advanced by G without a division per item
-  int64_t row = g / chunks, chunk = g % chunks;
-  const int64_t step_rows = G / chunks, step_chunks = G % chunks;
+  FlatCursor at(g, G, chunks);
   float pg[kVec] = {}, pu[kVec] = {};
-  load_gate_up(p.act, p.h + row * p.rows1, I, chunk * kVec, pg, pu);
+  load_gate_up(p.act, p.h + at.row * p.rows1, I, at.chunk * kVec, pg, pu);
   for (;;) {
     float gv[kVec], uv[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) gv[j] = pg[j], uv[j] = pu[j];
-    int64_t next_row = row + step_rows, next_chunk = chunk + step_chunks;
-    if (next_chunk >= chunks) next_chunk -= chunks, ++next_row;
-    const bool more = next_row < rows;
-    if (more) load_gate_up(p.act, p.h + next_row * p.rows1, I, next_chunk * kVec, pg, pu);
+    const FlatCursor next = at.next();
+    const bool more = next.row < rows;
+    if (more) load_gate_up(p.act, p.h + next.row * p.rows1, I, next.chunk * kVec, pg, pu);
     float v[kVec], q[kVec];
     activate8(p.act, gv, uv, v);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) q[j] = by_a2.divide(v[j]);  // = requant_value(v[j], a2), bit for bit
-    *reinterpret_cast<uint2*>(p.a_out + row * I + chunk * kVec) =
+    *reinterpret_cast<uint2*>(p.a_out + at.row * I + at.chunk * kVec) =
         make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
     if (!more) break;
-    row = next_row, chunk = next_chunk;
+    at = next;
   }
 }
 
@@ -383,25 +395,22 @@ __global__ void __launch_bounds__(kThreads) activation_requant_bf16_flat_kernel(
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   for (int64_t r = g; r < rows; r += G) p.s2[r] = w2_alpha_of(p, r);
   const int64_t lane = threadIdx.x & 31;
-  // item = row * chunks + chunk, advanced by G without a division per item
-  int64_t row = g / chunks, chunk = g % chunks;
-  const int64_t step_rows = G / chunks, step_chunks = G % chunks;
+  FlatCursor at(g, G, chunks);
   float pg[kVec] = {}, pu[kVec] = {};
-  if (g < items) load_gate_up(p.act, p.h + row * p.rows1, I, chunk * kVec, pg, pu);
+  if (g < items) load_gate_up(p.act, p.h + at.row * p.rows1, I, at.chunk * kVec, pg, pu);
   for (int64_t item = g; item - lane < items; item += G) {  // uniform over the warp
     const bool active = item < items;
     float gv[kVec], uv[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) gv[j] = pg[j], uv[j] = pu[j];
-    int64_t next_row = row + step_rows, next_chunk = chunk + step_chunks;
-    if (next_chunk >= chunks) next_chunk -= chunks, ++next_row;
-    if (item + G < items) load_gate_up(p.act, p.h + next_row * p.rows1, I, next_chunk * kVec, pg, pu);
+    const FlatCursor next = at.next();
+    if (item + G < items) load_gate_up(p.act, p.h + next.row * p.rows1, I, next.chunk * kVec, pg, pu);
     float v[kVec] = {};
     if (active) activate8(p.act, gv, uv, v);
     if constexpr (kMode == Bf16Requant::kNvfp4) nvfp4_dequant(v, fc2);
     if constexpr (kMode == Bf16Requant::kMxfp8) mxfp8_dequant(v);
-    if (active) store_bf16x8(p.a_out + row * I + chunk * kVec, v);
-    row = next_row, chunk = next_chunk;
+    if (active) store_bf16x8(p.a_out + at.row * I + at.chunk * kVec, v);
+    at = next;
   }
 }
 

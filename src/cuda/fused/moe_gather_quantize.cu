@@ -21,6 +21,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "cuda/common/exact_rounding.cuh"  // UniformDivisor
 #include "cuda/fused/fused_moe_common.cuh"
 #include "cuda/fused/fused_moe_kernels.h"
@@ -130,47 +132,35 @@ __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const G
       }
     }
     if (h0 >= H) continue;
-    if constexpr (kVectorized && V == 16) {
-      uint4 codes;  // the 16 e4m3 codes of columns h0.. (byte j = column h0 + j)
+    if constexpr (kVectorized) {
+      // The V e4m3 codes of columns h0.. (byte j = column h0 + j): one 8-byte (V = 8) or 16-byte (V = 16) word.
+      using Codes = std::conditional_t<V == 16, uint4, uint2>;
+      Codes codes;
       if (p.x_is_e4m3) {
-        codes = *reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(p.x) + t * H + h0);
+        codes = *reinterpret_cast<const Codes*>(static_cast<const uint8_t*>(p.x) + t * H + h0);
       } else {
-        const uint4 in0 = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + t * H + h0);
-        const uint4 in1 = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + t * H + h0 + 8);
-        const uint32_t w[8] = {in0.x, in0.y, in0.z, in0.w, in1.x, in1.y, in1.z, in1.w};
-        float q[16];
-        const UniformDivisor by_a1(a1);
+        uint32_t w[V / 2];  // bf16 pairs, one 16-byte load per 8 columns
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          q[2 * j] = by_a1.divide(__uint_as_float(w[j] << 16));
-          q[2 * j + 1] = by_a1.divide(__uint_as_float(w[j] & 0xffff0000u));
+        for (int i = 0; i < V / 8; ++i) {
+          const uint4 in = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + t * H + h0 + 8 * i);
+          w[4 * i] = in.x, w[4 * i + 1] = in.y, w[4 * i + 2] = in.z, w[4 * i + 3] = in.w;
         }
-        codes = make_uint4(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]),
-                           e4m3x4(q[8], q[9], q[10], q[11]), e4m3x4(q[12], q[13], q[14], q[15]));
-      }
-      for (int j = 0; j < k; ++j) {
-        const int64_t r = row_of(t * k + j);
-        if (r >= 0) *reinterpret_cast<uint4*>(p.a_out + r * H + h0) = codes;
-      }
-    } else if constexpr (kVectorized) {
-      uint2 codes;  // the kVec e4m3 codes of columns h0.. (byte j = column h0 + j)
-      if (p.x_is_e4m3) {
-        codes = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(p.x) + t * H + h0);
-      } else {
-        const uint4 in = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + t * H + h0);
-        const uint32_t w[4] = {in.x, in.y, in.z, in.w};
-        float q[kVec];
+        float q[V];
         const UniformDivisor by_a1(a1);  // x / a1, the reference's IEEE division, bit for bit (exact_rounding.cuh)
 #pragma unroll
-        for (int j = 0; j < kVec / 2; ++j) {
+        for (int j = 0; j < V / 2; ++j) {
           q[2 * j] = by_a1.divide(__uint_as_float(w[j] << 16));
           q[2 * j + 1] = by_a1.divide(__uint_as_float(w[j] & 0xffff0000u));
         }
-        codes = make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
+        uint32_t c[V / 4];
+#pragma unroll
+        for (int i = 0; i < V / 4; ++i) c[i] = e4m3x4(q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]);
+        if constexpr (V == 16) codes = make_uint4(c[0], c[1], c[2], c[3]);
+        else codes = make_uint2(c[0], c[1]);
       }
       for (int j = 0; j < k; ++j) {
         const int64_t r = row_of(t * k + j);
-        if (r >= 0) *reinterpret_cast<uint2*>(p.a_out + r * H + h0) = codes;
+        if (r >= 0) *reinterpret_cast<Codes*>(p.a_out + r * H + h0) = codes;
       }
     } else {
       const int64_t base = t * H + h0;
