@@ -65,6 +65,45 @@ def run(model: str, tokens: int, mode: str = "w4a8_int4", iters: int = 20) -> No
             times.append(start.elapsed_time(end) * 1000 / 10)
         times.sort()
         print(f"graph replay, enable_pdl={pdl}: {times[len(times) // 2]:.1f} us per layer (L2-warm weights)")
+        if not pdl:
+            graph_timeline(graph)
+
+
+def graph_timeline(graph, calls: int = 10) -> None:
+    """Where a graph replay's time goes: per-kernel time inside the replay and the idle time between kernels.
+
+    The eager breakdown above times each kernel launched on its own; a replay can differ (L2 contents, kernels
+    that wait on each other, gaps between kernels), which this shows from the replay's own kernel records."""
+    import json
+    import os
+    import tempfile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    kernels = sorted((e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"),
+                     key=lambda e: e["ts"])
+    if not kernels:
+        print("graph replay timeline: no kernel records (CUPTI did not trace the graph)")
+        return
+    by_name, idle, end = {}, 0.0, kernels[0]["ts"]
+    gaps = []
+    for e in kernels:
+        by_name.setdefault(e["name"][:90], []).append(e["dur"])
+        if e["ts"] > end:
+            idle += e["ts"] - end
+            gaps.append((e["ts"] - end, e["name"][:60]))
+        end = max(end, e["ts"] + e["dur"])
+    span = end - kernels[0]["ts"]
+    busy = sum(sum(v) for v in by_name.values())
+    print(f"graph replay timeline ({len(kernels)} kernels, {calls} layer calls): span {span / calls:.1f} us, "
+          f"kernel time {busy / calls:.1f} us, idle between kernels {idle / calls:.1f} us per layer")
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
+        print(f"|  {sum(durs) / calls:8.1f} | {len(durs) // calls:2d} | {name} |")
+    for gap, name in sorted(gaps, reverse=True)[:5]:
+        print(f"   largest gaps: {gap:.1f} us before {name}")
 
 
 if __name__ == "__main__":
