@@ -47,6 +47,14 @@ def run(model: str, tokens: int, mode: str = "w4a8_int4", iters: int = 20) -> No
     for t, n, k in sorted(rows, reverse=True):
         print(f"| {t:8.1f} | {n:2d} | {k} |")
     print(f"| {total:8.1f} |    | total kernel time |")
+    # Eager wall time per call (no profiler), to set beside the kernel sum above and the replays below.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        qmoe.fused_moe(**kw, deterministic=True, out=out, enable_pdl=False)
+    end.record()
+    end.synchronize()
+    print(f"eager, enable_pdl=False: {start.elapsed_time(end) * 1000 / iters:.1f} us per layer call (wall)")
     # The layer as a CUDA-graph replay (10 calls per graph), without and with PDL between its kernels.
     for pdl in (False, True):
         graph = torch.cuda.CUDAGraph()
