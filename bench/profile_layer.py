@@ -6,7 +6,10 @@ Default: deepseek_v3:1 deepseek_v3:64 qwen3_30b_a3b:1 qwen3_30b_a3b:64 (w4a8_int
 deepseek_v3:64 and qwen3_30b_a3b:4096 in w4a4. Weights of one set only
 (L2-warm for small models: this is a breakdown, not the benchmark; bench/ has the real numbers).
 """
+import json
+import os
 import sys
+import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -82,10 +85,6 @@ def graph_timeline(graph, calls: int = 10) -> None:
 
     The eager breakdown above times each kernel launched on its own; a replay can differ (L2 contents, kernels
     that wait on each other, gaps between kernels), which this shows from the replay's own kernel records."""
-    import json
-    import os
-    import tempfile
-
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
