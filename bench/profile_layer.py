@@ -1,6 +1,7 @@
 """Per-kernel time of one fused MoE layer (qmoe.fused_moe, any quant mode) with torch.profiler.
 
-Shows where a layer's time goes beyond the two GEMMs (the glue kernels). Usage on the GPU machine:
+Shows where a layer's time goes beyond the two GEMMs (the glue kernels), then the same layer as a graph replay:
+its own kernel records (per-kernel time inside the replay, idle time between kernels). Usage on the GPU machine:
     PYTHONPATH=build/device/pkg python3 bench/profile_layer.py [model:T[:quant_mode] ...]
 Default: deepseek_v3:1 deepseek_v3:64 qwen3_30b_a3b:1 qwen3_30b_a3b:64 (w4a8_int4), then qwen3_30b_a3b:1,
 deepseek_v3:64 and qwen3_30b_a3b:4096 in w4a4. Weights of one set only
