@@ -2,7 +2,7 @@
 
 Shows where a layer's time goes beyond the two GEMMs (the glue kernels), then the same layer as a graph replay:
 its own kernel records (per-kernel time inside the replay, idle time between kernels). Usage on the GPU machine:
-    PYTHONPATH=build/device/pkg python3 bench/profile_layer.py [model:T[:quant_mode] ...]
+    PYTHONPATH=build/device/pkg python3 bench/profile_layer.py [model:T[:quant_mode[:packed]] ...]
 Default: deepseek_v3:1 deepseek_v3:64 qwen3_30b_a3b:1 qwen3_30b_a3b:64 (w4a8_int4), then qwen3_30b_a3b:1,
 deepseek_v3:64 and qwen3_30b_a3b:4096 in w4a4. Weights of one set only
 (L2-warm for small models: this is a breakdown, not the benchmark; bench/ has the real numbers).
@@ -16,20 +16,25 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import qmoe
+from qmoe import quant
 from qmoe.bench import common
 from qmoe.bench.moe import _routing_weights, make_qmoe_weights
 from qmoe.testing import MODEL_SHAPES
 
 
-def run(model: str, tokens: int, mode: str = "w4a8_int4", iters: int = 20) -> None:
+def run(model: str, tokens: int, mode: str = "w4a8_int4", packed: str = "", iters: int = 20) -> None:
     experts, topk, hidden, inter = MODEL_SHAPES[model]
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = make_qmoe_weights(torch, experts, hidden, inter, gen, "cuda", mode)
+    extra = {}
+    if packed == "packed":  # FP4 weights in qmoe's packed word order (as `qmoe bench moe --fp4-packed`)
+        w = dict(w, w1=quant.pack_fp4_weights(w["w1"]), w2=quant.pack_fp4_weights(w["w2"]))
+        extra = {"fp4_weights_packed": True}
     ids = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:topk] for _ in range(tokens)]).int()
     wts = _routing_weights(torch, tokens, topk, gen, "cuda")
     act = common.make_mode_activations(torch, mode, tokens, hidden, gen, "cuda")
     kw = dict(w, **act, topk_ids=ids, topk_weights=wts, quant_mode=mode, num_experts=experts,
-              gate_up_layout=common.mode_gate_up_layout(mode, inter))
+              gate_up_layout=common.mode_gate_up_layout(mode, inter), **extra)
     out = torch.empty((tokens, hidden), device="cuda", dtype=torch.bfloat16)
     # Profiled without PDL: with it a kernel starts early and its time includes the wait for the one before.
     for _ in range(3):
@@ -39,7 +44,7 @@ def run(model: str, tokens: int, mode: str = "w4a8_int4", iters: int = 20) -> No
         for _ in range(iters):
             qmoe.fused_moe(**kw, deterministic=True, out=out, enable_pdl=False)
         torch.cuda.synchronize()
-    print(f"\n## {model} T={tokens} {mode} (E={experts}, k={topk}, H={hidden}, I={inter}); us per layer call")
+    print(f"\n## {model} T={tokens} {mode}{' packed' if packed else ''} (E={experts}, k={topk}, H={hidden}, I={inter}); us per layer call")
     total = 0.0
     rows = []
     for e in prof.key_averages():
