@@ -24,14 +24,16 @@
 //           base[w][id] + (number of lower lanes of its peer group); the group leader then
 //           advances base[w][id] by the group size.
 //   fill    input_permutation[r] = -1 for r in [off[E], S) (grid-stride).
-//   Only the warps that own slots (used = ceil(CTA slots / part size)) keep a histogram: at decode
-//   (8 slots) the zeroing, the per-expert count and the base loops touch 1 row instead of 32.
+//   Parts are whole tiles of 256 slots (32 lanes x kUnroll keys loaded ahead), and only the warps that own
+//   slots (used = ceil(CTA slots / part size)) keep a histogram: the zeroing, the per-expert count and the
+//   base loops touch `used` rows, 1 at decode (8 slots) and 8 at 2048 slots per CTA (32 when parts were
+//   64 slots: 1.1-1.7 us slower at 2K-256K slots, H200 s32c).
 // Shared memory: 32 * E int32 per CTA (128 KB at E = 1024; the opt-in limit is raised on launch).
 // The exchange buffer is output_permutation itself (C * E <= S is kept): the SGLang signature
 // has no workspace argument, and output_permutation is fully rewritten after the last barrier.
 // Limits: 1 <= E <= 1024 (one scan thread per expert), S < 2^31.
 // Measured on an H200 (CUDA-graph replay, int32 ids; int64 within 0.5 us): E = 256: 4 us at 8
-// slots, 9 us at 2048 (one CTA), 12 us at 32K, 17 us at 256K; E = 1024: 6 us at 8, 20 us at 256K.
+// slots, 8.3 us at 2048 (one CTA), 11.9 us at 32K, 12.3 us at 64K; E = 1024: 19 us at 256K (s32c).
 // One CTA alone took 560 us at 256K slots (E = 256): hence the multi-CTA path.
 // Overlap (one CTA, PDL on, `overlap_previous`): a caller whose previous kernel in the stream writes
 // nothing this kernel reads or writes (the fused MoE at decode, where the gather before it finds its
@@ -116,7 +118,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t cta_begin = cta * cta_range;
   const int64_t cta_end = cta_begin + cta_range < slots ? cta_begin + cta_range : slots;
   const int64_t cta_slots = cta_end > cta_begin ? cta_end - cta_begin : 0;
-  const int64_t range = ((cta_slots + kWarps - 1) / kWarps + 31) / 32 * 32;
+  // Parts are whole tiles of 32 * kUnroll slots (a warp walks a part tile by tile, each lane loading kUnroll
+  // keys ahead): ceil(cta_slots / 256) warps own slots, so the per-expert loops over the owning warps' histograms
+  // below run 8 deep at 2048 slots (not 32, one warp per 64 slots), and the warps without a part are idle.
+  constexpr int64_t kTile = 32 * kUnroll;
+  const int64_t range = ((cta_slots + kWarps - 1) / kWarps + kTile - 1) / kTile * kTile;
   const int64_t begin = cta_begin + warp * range;
   const int64_t end = begin + range < cta_end ? begin + range : cta_end;
   int* my_hist = hist + warp * experts;
