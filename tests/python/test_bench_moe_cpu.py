@@ -704,34 +704,6 @@ def test_targets_use_the_faster_finalize_and_the_decode_window():
     assert "decode (T <= 64) <= 1.3 x floor" not in {n for n, _, _ in moe.target_checks(dict(row, T=65))}
 
 
-def test_steady_calls_cycle_the_sets():
-    calls = [object(), object(), object()]
-    steady = moe.steady_calls(calls)
-    assert len(steady) == moe.STEADY_CALLS and steady[:4] == [calls[0], calls[1], calls[2], calls[0]]
-    many = [object() for _ in range(moe.STEADY_CALLS + 3)]
-    assert moe.steady_calls(many) == many  # at least one call per set
-
-
-def test_steady_graph_column_and_target():
-    row = dict(model="m", T=8, floor_us=100.0, qmoe_det_graph_us=140.0, qmoe_det_graph_steady_us=125.0,
-               qmoe_det_graph_steady_over_floor=1.25)
-    checks = {name: (ok, why) for name, ok, why in moe.target_checks(row, finalizes=("det",))}
-    steady = f"decode (T <= 64) <= 1.3 x floor, det in a {moe.STEADY_CALLS}-call graph"
-    assert checks["decode (T <= 64) <= 1.3 x floor"][0] is False   # 140 > 130: one call per set
-    assert checks[steady] == (True, "1.25x floor")                 # 125 <= 130 in the steady graph
-    assert steady not in {n for n, _, _ in moe.target_checks(row, finalizes=("fused",))}
-    assert steady not in {n for n, _, _ in moe.target_checks(dict(row, T=512), finalizes=("det",))}
-    text = moe.markdown([row], [], finalizes=("det",))
-    head = next(line for line in text.splitlines() if line.startswith("| model"))
-    cols = [c.strip() for c in head.strip("|").split("|")]
-    cells = dict(zip(cols, [c.strip() for c in text.splitlines()[text.splitlines().index(head) + 2].strip("|").split("|")]))
-    assert cells[f"qmoe det graph, {moe.STEADY_CALLS} calls"] == "125.0" and cells["steady/floor"] == "1.25"
-    assert "qmoe det graph, " not in moe.markdown([row], [], finalizes=("fused",))
-    failed = {}
-    moe.set_qmoe_errors(failed, ("det",), "K % 128 != 0")
-    assert failed["errors"]["qmoe_det_graph_steady_us"] == "K % 128 != 0"
-
-
 def test_targets_summary_under_the_table():
     rows = _rows()  # qwen3 T=8: 55.5 us (fused) vs floor 30 (1.85x), vLLM bf16 157.9; gpt-oss: no qmoe time
     text = moe.markdown(rows, [])

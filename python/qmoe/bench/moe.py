@@ -83,7 +83,7 @@ DEFAULT_MODE = "w4a8_int4"
 # about half the fp8 rate, not measured there).
 NOMINAL_CEILINGS = dict(copy_tbps=4.20, fp8_tflops=1550.0, bf16_tflops=770.0)
 A2_STATIC = common.W4A8_INT4_A2  # static a2 for an |act| bound of 8 (qmoe.testing's choice)
-QMOE_KEYS = tuple(f"qmoe_{f}_{how}_us" for f in FINALIZES for how in ("eager", "graph")) + ("qmoe_det_graph_steady_us",)
+QMOE_KEYS = tuple(f"qmoe_{f}_{how}_us" for f in FINALIZES for how in ("eager", "graph"))
 TORCH_KEYS = ("torch_bf16_graph_us", "torch_fp8_graph_us")
 
 
@@ -257,27 +257,11 @@ def _cell(row: dict, key: str, digits=1) -> str:
     return "n/a: " + (message if len(message) <= 32 else name[:32])
 
 
-# The "graph" columns replay one captured call per weight set, so a replay's launch (several us) weighs on a
-# call by 1 / (number of sets): 1/2 for the large layers (2 sets) and 1/15 for Qwen3-30B at T = 1. The steady
-# columns replay STEADY_CALLS calls (the sets cycled, each as cold as before) as one graph, as a layer sits in
-# an engine's model graph: the replay's launch is shared by all of them and each call's first kernel launches
-# under the previous call's last (PDL), as under the previous layer's kernels in a model.
-STEADY_CALLS = 16
-
-
-def steady_calls(calls):
-    """STEADY_CALLS calls (at least one per set) cycling over the sets' calls."""
-    n = max(STEADY_CALLS, len(calls))
-    return [calls[i % len(calls)] for i in range(n)]
-
-
 TABLE_COLUMNS = (
     # (header, row key, digits)
     ("hit", "experts_hit", 0), ("floor us", "floor_us", 1),
     ("qmoe det eager", "qmoe_det_eager_us", 1), ("qmoe det graph", "qmoe_det_graph_us", 1),
     ("det graph/floor", "qmoe_det_graph_over_floor", 2),
-    (f"qmoe det graph, {STEADY_CALLS} calls", "qmoe_det_graph_steady_us", 1),
-    ("steady/floor", "qmoe_det_graph_steady_over_floor", 2),
     ("qmoe fused eager", "qmoe_fused_eager_us", 1), ("qmoe fused graph", "qmoe_fused_graph_us", 1),
     ("fused graph/floor", "qmoe_fused_graph_over_floor", 2),
     ("torch bf16 graph", "torch_bf16_graph_us", 1), ("torch fp8 graph", "torch_fp8_graph_us", 1),
@@ -304,10 +288,6 @@ def target_checks(row, finalizes=tuple(FINALIZES)):
     if row["T"] <= DECODE_MAX_T and floor:
         checks.append((f"decode (T <= {DECODE_MAX_T}) <= {DECODE_FLOOR_RATIO} x floor", us <= DECODE_FLOOR_RATIO * floor,
                        f"{us / floor:.2f}x floor"))
-        steady = row.get("qmoe_det_graph_steady_us")
-        if isinstance(steady, (int, float)) and "det" in finalizes:
-            checks.append((f"decode (T <= {DECODE_MAX_T}) <= {DECODE_FLOOR_RATIO} x floor, det in a {STEADY_CALLS}-call "
-                           "graph", steady <= DECODE_FLOOR_RATIO * floor, f"{steady / floor:.2f}x floor"))
     for key, name in TARGET_PEERS:
         peer = row.get(key)
         if isinstance(peer, (int, float)) and peer > 0:
@@ -507,11 +487,6 @@ def _bench_qmoe(torch, ctx, rows, routes, args, timer, mode=DEFAULT_MODE):
             _measure(row, f"qmoe_{f}_graph_us", lambda: timer.graph(calls))
             if row.get(f"qmoe_{f}_graph_us"):
                 row[f"qmoe_{f}_graph_over_floor"] = row[f"qmoe_{f}_graph_us"] / row["floor_us"]
-            if f == "det":  # the layer inside a model-sized graph: STEADY_CALLS calls per replay, sets cycled
-                steady = steady_calls(calls)
-                _measure(row, "qmoe_det_graph_steady_us", lambda: timer.graph(steady))
-                if row.get("qmoe_det_graph_steady_us"):
-                    row["qmoe_det_graph_steady_over_floor"] = row["qmoe_det_graph_steady_us"] / row["floor_us"]
         del kwargs, outs
         timer.free()
     pool.clear()
@@ -599,8 +574,6 @@ def set_qmoe_errors(row: dict, finalizes, reason: str) -> None:
     for f in finalizes:
         for how in ("eager", "graph"):
             set_error(row, f"qmoe_{f}_{how}_us", reason)
-    if "det" in finalizes:
-        set_error(row, "qmoe_det_graph_steady_us", reason)
 
 
 def torch_columns(row: dict) -> dict:
@@ -773,10 +746,7 @@ def mode_header(mode, gpu, today, ceiling_line, args, peers, peer_note, checks) 
               f"Uniform top-k routing (distinct experts), {data}, bf16 out. eager = CUDA events around the Python "
               "call from an idle GPU; graph = replay of captured calls (out= preallocated); medians of up to "
               f"{args.iters} samples ({args.budget_ms:.0f} ms budget each). Weight sets, each with its own x, cycled "
-              f"so that >= {args.rotate_mb:.0f} MB are touched between uses of a set (cap {args.max_weight_gb:.0f} GB); "
-              "graph replays one call per set; \"graph, "
-              f"{STEADY_CALLS} calls\" replays {STEADY_CALLS} calls cycling the sets (a layer inside a model-sized graph: "
-              "the replay's launch shared, each call launched under the previous one's last kernel).",
+              f"so that >= {args.rotate_mb:.0f} MB are touched between uses of a set (cap {args.max_weight_gb:.0f} GB).",
               "torch peers (same run, same routing): sort + gather + torch._grouped_mm bf16 / torch._scaled_grouped_mm "
               "fp8 rowwise (use_fast_accum=True) + SiLU*up + weighted top-k sum, graph replay."]
     if peers:
