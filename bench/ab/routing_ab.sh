@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Prepared in session 31, not run: bench/ab/routing_kept_keys.patch (moe_mm_data keeps a warp's keys from pass 1 in
-# registers for pass 2 when its part is one tile of 256 slots: every multi-CTA launch) against the tree as it is.
-# Routing kernel time (graph replay of 10 calls, median of 7) at decode and prefill slot counts, both builds, then
-# the routing GPU tests on the patched build (it stays applied). Device, carry .dev/cutlass. Output: $OUT/routing_ab.md
+# Routing kernel A/B of a patch to src/cuda/routing/sm90_moe_mm_data.cu against the tree as it is: both builds
+# (bench/ab/build_pair.sh; the patch stays applied), the kernel's time (graph replay of 10 calls, median of 7) at
+# decode and prefill slot counts with the builds alternated (base, NAME, base, NAME), then the routing GPU tests on
+# the patched build. Device, carry .dev/cutlass. Usage: bash bench/ab/routing_ab.sh PATCH NAME. Output:
+# $OUT/routing_ab.md. Used for bench/ab/routing_kept_keys.patch (s32a) and routing_whole_tiles.patch (s32c).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+patch_file=$1 name=$2
 time_routing() {  # $1: package dir
   PYTHONPATH=$1 python3 - <<'PY'
 import torch
@@ -31,7 +33,7 @@ for experts, slots in [(256, 8), (256, 2048), (128, 4096), (128, 32768), (256, 3
     print(f"| {experts} | {slots} | {sorted(times)[3]:.2f} |")
 PY
 }
-bash bench/ab/build_pair.sh bench/ab/routing_kept_keys.patch kept || exit 1
+bash bench/ab/build_pair.sh "$patch_file" "$name" || exit 1
 { echo "| E | slots | us |"; echo "|--:|--:|--:|"
-  for run in base kept base kept; do echo "| $run |"; time_routing /tmp/pkg_$run; done; } | tee "$OUT/routing_ab.md"
-PYTHONPATH=/tmp/pkg_kept python3 -m pytest -q -m gpu tests/python/test_gpu_w4a8.py -k "mm_data or routing" 2>&1 | tail -3
+  for run in base "$name" base "$name"; do echo "| $run |"; time_routing /tmp/pkg_$run; done; } | tee "$OUT/routing_ab.md"
+PYTHONPATH=/tmp/pkg_$name python3 -m pytest -q -m gpu tests/python/test_gpu_w4a8.py -k "mm_data or routing" 2>&1 | tail -3
