@@ -44,7 +44,8 @@ def run(model: str, tokens: int, mode: str = "w4a8_int4", packed: str = "", iter
         for _ in range(iters):
             qmoe.fused_moe(**kw, deterministic=True, out=out, enable_pdl=False)
         torch.cuda.synchronize()
-    print(f"\n## {model} T={tokens} {mode}{' packed' if packed else ''} (E={experts}, k={topk}, H={hidden}, I={inter}); us per layer call")
+    label = f"{mode} packed" if packed else mode
+    print(f"\n## {model} T={tokens} {label} (E={experts}, k={topk}, H={hidden}, I={inter}); us per layer call")
     total = 0.0
     rows = []
     for e in prof.key_averages():

@@ -118,9 +118,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t cta_begin = cta * cta_range;
   const int64_t cta_end = cta_begin + cta_range < slots ? cta_begin + cta_range : slots;
   const int64_t cta_slots = cta_end > cta_begin ? cta_end - cta_begin : 0;
-  // Parts are whole tiles of 32 * kUnroll slots (a warp walks a part tile by tile, each lane loading kUnroll
-  // keys ahead): ceil(cta_slots / 256) warps own slots, so the per-expert loops over the owning warps' histograms
-  // below run 8 deep at 2048 slots (not 32, one warp per 64 slots), and the warps without a part are idle.
+  // Parts are whole tiles of 32 * kUnroll slots (a warp walks its part tile by tile), so that few warps own slots
+  // (8 at 2048 slots per CTA) and the per-expert loops over their histograms below stay short (header).
   constexpr int64_t kTile = 32 * kUnroll;
   const int64_t range = ((cta_slots + kWarps - 1) / kWarps + kTile - 1) / kTile * kTile;
   const int64_t begin = cta_begin + warp * range;
