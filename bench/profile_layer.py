@@ -26,8 +26,10 @@ def run(model: str, tokens: int, mode: str = "w4a8_int4", packed: str = "", iter
     experts, topk, hidden, inter = MODEL_SHAPES[model]
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = make_qmoe_weights(torch, experts, hidden, inter, gen, "cuda", mode)
+    if packed not in ("", "packed"):
+        raise SystemExit(f"profile_layer: the fourth part of a spec is 'packed' or nothing, got {packed!r}")
     extra = {}
-    if packed == "packed":  # FP4 weights in qmoe's packed word order (as `qmoe bench moe --fp4-packed`)
+    if packed:  # FP4 weights in qmoe's packed word order (as `qmoe bench moe --fp4-packed`)
         w = dict(w, w1=quant.pack_fp4_weights(w["w1"]), w2=quant.pack_fp4_weights(w["w2"]))
         extra = {"fp4_weights_packed": True}
     ids = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:topk] for _ in range(tokens)]).int()
