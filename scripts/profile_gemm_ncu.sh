@@ -11,6 +11,9 @@
 # and the samples by opcode, in $OUT/src_<case>.txt.
 # QMOE_PROFILE_KERNEL: the regex of the kernel names profiled (default: every grouped-GEMM kernel), e.g.
 # "wgmma_bf16" for the bf16 x 4-bit WGMMA tile of tests/gpu/bf16_w4_gemm_check.cu (which has no tactic filter).
+# QMOE_PROFILE_SKIP: matching launches skipped before the profiled one (default 3). The bf16 check program times
+# every valid tactic (24 launches each) for plain, then packed FP4 words: e.g. 123 = packed decode n8 at T = 8
+# with QMOE_PROFILE_KERNEL=bf16_w4_kernel (5 mma.sync tactics there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -40,7 +43,7 @@ for c in $CASES; do
   name="gemm${gemm}_T${t}_${tactic}"
   echo "== $name"
   export QMOE_BENCH_GEMM=$gemm QMOE_BENCH_T=$t QMOE_BENCH_TACTIC=$tactic QMOE_BENCH_BATCH=1
-  NCU_RUN=("$NCU" --clock-control none --kernel-name-base demangled -k regex:"${QMOE_PROFILE_KERNEL:-sm90_grouped_gemm|wgmma}" --launch-skip 3 --launch-count 1)
+  NCU_RUN=("$NCU" --clock-control none --kernel-name-base demangled -k regex:"${QMOE_PROFILE_KERNEL:-sm90_grouped_gemm|wgmma}" --launch-skip "${QMOE_PROFILE_SKIP:-3}" --launch-count 1)
   if [[ "${QMOE_PROFILE_SOURCE:-0}" == 1 ]]; then
     REP=$(mktemp -d)
     timeout 300 "${NCU_RUN[@]}" --section SourceCounters --section WarpStateStats --import-source no \

@@ -73,6 +73,7 @@ struct Bf16W4Params {
 enum class OutKind { kBf16, kFp32, kAct };
 
 using w4a8::cp_async_16;
+using w4a8::cp_async_16_full;
 using w4a8::cp_async_commit;
 using w4a8::cp_async_wait;
 
@@ -243,6 +244,9 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   static_assert(kThreads % kChunksB == 0 && kTileM % kRowsPerPassB == 0, "weight copies tile the stage");
   static_assert(kThreads % kChunksA == 0, "activation copies tile the stage");
   static_assert(kPassesB <= 32 && kPassesA <= 32, "copy masks are 32-bit");
+  constexpr uint32_t kAllPassesB = kPassesB == 32 ? ~0u : (1u << kPassesB) - 1;
+  // (the decode tiles of up to 16 tokens: the wider ones spill with the second copy loop)
+  constexpr bool kFullCopiesB = NF <= 2;
   const int b_row = tid / kChunksB, b_chunk = tid % kChunksB;
   const int a_row = tid / kChunksA, a_chunk = tid % kChunksA;
 
@@ -292,12 +296,22 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     uint8_t* ss = sa + Cfg::kStageA;
     const bool b_chunk_ok = g0 * 4 + b_chunk < chunks_b_total;  // K tail
     const bool a_chunk_ok = g0 * 16 + a_chunk < chunks_a_total;
+    if (kFullCopiesB && b_chunk_ok && b_valid == kAllPassesB) {  // every copy reads a real row chunk
+      const uint8_t* src = b_src + g0 * (kGroup / 2);
 #pragma unroll
-    for (int i = 0; i < kPassesB; ++i) {
-      const int r = b_row + i * kRowsPerPassB;
-      const bool valid = b_chunk_ok && ((b_valid >> i) & 1u);
-      const uint8_t* src = valid ? b_src + i * static_cast<int64_t>(kRowsPerPassB) * row_bytes_b + g0 * (kGroup / 2) : p.b;
-      cp_async_16(sb + r * kRowBytesB + (w4a8::swizzle_b<GPS>(b_chunk, r) << 4), src, valid);
+      for (int i = 0; i < kPassesB; ++i) {
+        const int r = b_row + i * kRowsPerPassB;
+        cp_async_16_full(sb + r * kRowBytesB + (w4a8::swizzle_b<GPS>(b_chunk, r) << 4),
+                         src + i * static_cast<int64_t>(kRowsPerPassB) * row_bytes_b);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPassesB; ++i) {
+        const int r = b_row + i * kRowsPerPassB;
+        const bool valid = b_chunk_ok && ((b_valid >> i) & 1u);
+        const uint8_t* src = valid ? b_src + i * static_cast<int64_t>(kRowsPerPassB) * row_bytes_b + g0 * (kGroup / 2) : p.b;
+        cp_async_16(sb + r * kRowBytesB + (w4a8::swizzle_b<GPS>(b_chunk, r) << 4), src, valid);
+      }
     }
 #pragma unroll
     for (int i = 0; i < kPassesA; ++i) {

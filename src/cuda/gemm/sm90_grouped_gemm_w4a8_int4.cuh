@@ -117,6 +117,13 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool
   const int bytes = valid ? 16 : 0;  // 0: zero-fill, nothing read
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global), "r"(bytes));
 }
+// The same copy without the zero-fill operand: the producers' stages whose every weight copy reads a real
+// row chunk (all but an expert's last feature tile when N % TILE_M != 0 and the K tail) take it, so
+// such a stage costs an address and a copy per weight chunk, no predicate or fallback address.
+__device__ __forceinline__ void cp_async_16_full(void* smem, const void* global) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -298,6 +305,9 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   constexpr int kPassesA = (kTileN + kRowsPerPassA - 1) / kRowsPerPassA;
   static_assert(kThreads % kChunksB == 0 && kTileM % kRowsPerPassB == 0, "weight copies tile the stage");
   static_assert(kThreads % kChunksA == 0 && kPassesB <= 32 && kPassesA <= 32, "copy masks are 32-bit");
+  constexpr uint32_t kAllPassesB = kPassesB == 32 ? ~0u : (1u << kPassesB) - 1;
+  // (the decode tiles of up to 16 tokens: the wider ones spill with the second copy loop)
+  constexpr bool kFullCopiesB = NF <= 2;
   static_assert(!kAct || (kPassesB % 2 == 0 && (kTileM / 2) % 8 == 0), "passes and scale copies lie in one half");
   const int b_row = tid / kChunksB, b_chunk = tid % kChunksB;
   const int a_row = tid / kChunksA, a_chunk = tid % kChunksA;
@@ -366,18 +376,28 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     uint8_t* ss = sa + Cfg::kStageA;
     const bool b_chunk_ok = b_chunk < valid_groups * 4;  // K tail of the last stage
     const bool a_chunk_ok = a_chunk < valid_groups * 8;
+    if (kFullCopiesB && b_chunk_ok && b_valid == kAllPassesB) {  // every copy reads a real row chunk
+      const uint8_t* src = b_src + g0 * kGroupBytesB;
 #pragma unroll
-    for (int i = 0; i < kPassesB; ++i) {
-      const int r = b_row + i * kRowsPerPassB;
-      const bool valid = b_chunk_ok && ((b_valid >> i) & 1u);
-      // (a pass lies in one half: kRowsPerPassB divides TILE_M / 2, static_assert below)
-      const uint8_t* src;
-      if constexpr (kAct) {
-        src = valid ? b_src + i * b_pass_stride + (i >= kPassesB / 2 ? b_jump : 0) + g0 * kGroupBytesB : p.b;
-      } else {
-        src = valid ? b_src + i * b_pass_stride + g0 * kGroupBytesB : p.b;
+      for (int i = 0; i < kPassesB; ++i) {
+        const int r = b_row + i * kRowsPerPassB;
+        const int64_t jump = kAct && i >= kPassesB / 2 ? b_jump : 0;
+        cp_async_16_full(sb + r * kRowBytesB + (swizzle_b<GPS>(b_chunk, r) << 4), src + i * b_pass_stride + jump);
       }
-      cp_async_16(sb + r * kRowBytesB + (swizzle_b<GPS>(b_chunk, r) << 4), src, valid);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPassesB; ++i) {
+        const int r = b_row + i * kRowsPerPassB;
+        const bool valid = b_chunk_ok && ((b_valid >> i) & 1u);
+        // (a pass lies in one half: kRowsPerPassB divides TILE_M / 2, static_assert below)
+        const uint8_t* src;
+        if constexpr (kAct) {
+          src = valid ? b_src + i * b_pass_stride + (i >= kPassesB / 2 ? b_jump : 0) + g0 * kGroupBytesB : p.b;
+        } else {
+          src = valid ? b_src + i * b_pass_stride + g0 * kGroupBytesB : p.b;
+        }
+        cp_async_16(sb + r * kRowBytesB + (swizzle_b<GPS>(b_chunk, r) << 4), src, valid);
+      }
     }
 #pragma unroll
     for (int i = 0; i < kPassesA; ++i) {
