@@ -14,7 +14,7 @@ runs=/tmp/decode_ab_runs
 rm -rf $runs && mkdir -p $runs
 for mode in ${modes//,/ }; do
   args=(--quant-mode "${mode%p}")
-  [[ $mode == *p && $mode != w4a8_int4 ]] && args+=(--fp4-packed)
+  [[ $mode == *p ]] && args+=(--fp4-packed)  # w4a4p, w4a16p, w4a8p
   [[ -n ${MODELS:-} ]] && args+=(--models "$MODELS")
   for round in 1 2; do
     for arm in base "$name"; do
