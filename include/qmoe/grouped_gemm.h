@@ -12,6 +12,11 @@
 // problem_sizes int32 [E, 3] rows (N, M_e, K); a/b/d/s_strides int64 [E, 3] (accepted for
 // compatibility; every entry must equal the leading dimension: K, K, N, N).
 // Limits: K % 128 == 0, chunk_size == 128, N % 8 == 0, E <= 1024.
+// a_slots (optional, a qmoe extension): uint8 [R, 2K] scratch on a's device, 16-byte aligned. Given it, the
+// 16-token decode tile (where activation_slots_pay, qmoe/tactics.h) first writes the activations there as the
+// fp16 operands of its MMAs, once per call instead of once per warp and feature tile, and then runs ~1-7%
+// faster; the results are bitwise the same. Its contents are scratch (overwritten, never read back by the caller).
+// The Python wrappers pass one when it pays (qmoe._C.w4a8_activation_slots).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -26,6 +31,7 @@ namespace qmoe {
 struct W4A8MoeMmArgs {
   TensorRef d, a, b, a_scales, b_scales, expert_offsets, problem_sizes;
   std::optional<TensorRef> a_strides, b_strides, d_strides, s_strides;
+  std::optional<TensorRef> a_slots;
   int64_t chunk_size = 128;
   int64_t topk = 8;
 };

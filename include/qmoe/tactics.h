@@ -21,6 +21,10 @@ struct GemmProblem {
   // With bf16_activations: the weights are FP4 (NVFP4 / MXFP4), not int4-g128. Only the choice between
   // the 128- and 160-token WGMMA tiles depends on it (their relative cost differs by format).
   bool fp4_weights = false;
+  // W4A8 only: the caller gave a scratch for the activations in the decode tiles' fp16 K slots (W4A8MoeMmArgs::a_slots),
+  // so the 16-token tile runs without its per-warp unpack where activation_slots_pay, and then also takes 8 rows
+  // per expert from the 8-token tile.
+  bool activation_slots = false;
 };
 
 struct Tactic {
@@ -42,6 +46,9 @@ struct Tactic {
 std::vector<Tactic> valid_tactics(const GemmProblem& problem);
 // The heuristic choice (pure; logs it once when QMOE_LOG_TACTICS=1).
 Tactic select_tactic(const GemmProblem& problem);
+// Whether the W4A8 GEMM converts the activations once into fp16 K slots for this tactic (given a scratch): only the
+// 16-token decode tile, on shapes where the tile's gain outweighs the conversion pass (K >= 2048, N >= 3072).
+bool activation_slots_pay(const GemmProblem& problem, const Tactic& tactic);
 // Parses Tactic::name() (a tactic of either kernel); throws qmoe::Error on an unknown name.
 Tactic parse_tactic(const std::string& name);
 

@@ -248,11 +248,20 @@ def moe_finalize(rows, topk_ids, topk_weights, *, num_experts, num_local_experts
 
 
 def select_tactic(n: int, k: int, total_rows: int, num_experts: int, topk: int = 8,
-                  bf16_activations: bool = False, fp4_weights: bool = False) -> str:
+                  bf16_activations: bool = False, fp4_weights: bool = False, activation_slots: bool = False) -> str:
     """The grouped GEMM tactic the heuristic picks for this problem (pure function). bf16_activations:
     the bf16 x 4-bit GEMM of the fused w4a16 / w4a16_int4 / w4a4 / w4a8 modes instead of the W4A8 one;
-    fp4_weights: its weights are FP4 (w4a16, w4a4, w4a8), not int4 (w4a16_int4)."""
-    return _C.select_tactic(n, k, total_rows, num_experts, topk, bool(bf16_activations), bool(fp4_weights))
+    fp4_weights: its weights are FP4 (w4a16, w4a4, w4a8), not int4 (w4a16_int4); activation_slots: the W4A8 call
+    has an a_slots scratch (the SGLang wrapper passes one where it pays), which can change the choice."""
+    return _C.select_tactic(n, k, total_rows, num_experts, topk, bool(bf16_activations), bool(fp4_weights),
+                            bool(activation_slots))
+
+
+def w4a8_activation_slots(n: int, k: int, total_rows: int, num_experts: int, topk: int = 8, tactic=None) -> bool:
+    """Whether cutlass_w4a8_moe_mm would use an a_slots scratch ([R, 2K] uint8: the activations once in the
+    16-token decode tile's fp16 operand slots; same results, a faster tile) for this problem and tactic (None: the
+    heuristic's choice with the scratch given). The SGLang wrapper allocates one exactly then."""
+    return bool(_C.w4a8_activation_slots(n, k, total_rows, num_experts, topk, tactic))
 
 
 def valid_tactics(n: int, k: int, total_rows: int, num_experts: int, topk: int = 8,

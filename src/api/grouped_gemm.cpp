@@ -166,6 +166,23 @@ void validate_w4a8_moe_mm(const W4A8MoeMmArgs& args) {
   for (const auto& [s, name] : strides)
     if (s->has_value()) check_no_alias(d, "d", **s, name);
 
+  // a_slots (a qmoe extension): uint8 [R, 2K] scratch that the op writes, so it overlaps no other argument.
+  if (args.a_slots.has_value()) {
+    const TensorRef& slots = *args.a_slots;
+    check_dtype_in(slots, "a_slots", {DType::kUInt8, DType::kInt8});
+    check_shape(slots, "a_slots", {rows, 2 * k});
+    check_contiguous(slots, "a_slots");
+    check_has_data(slots, "a_slots");
+    check_same_device(slots, "a_slots", a, "a");
+    const std::pair<const TensorRef*, const char*> inputs[] = {{&d, "d"},           {&a, "a"},
+                                                               {&b, "b"},           {&a_scales, "a_scales"},
+                                                               {&b_scales, "b_scales"}, {&offsets, "expert_offsets"},
+                                                               {&sizes, "problem_sizes"}};
+    for (const auto& [t, name] : inputs) check_no_alias(slots, "a_slots", *t, name);
+    for (const auto& [s, name] : strides)
+      if (s->has_value()) check_no_alias(slots, "a_slots", **s, name);
+  }
+
   if (a.is_cuda()) {
     // TMA loads and stores need 16-byte aligned base addresses (row pitches are aligned by the
     // K and N rules above).
@@ -173,6 +190,7 @@ void validate_w4a8_moe_mm(const W4A8MoeMmArgs& args) {
     check_aligned(b, "b", kTmaAlignBytes);
     check_aligned(b_scales, "b_scales", kTmaAlignBytes);
     check_aligned(d, "d", kTmaAlignBytes);
+    if (args.a_slots.has_value()) check_aligned(*args.a_slots, "a_slots", kTmaAlignBytes);
     return;
   }
 
@@ -219,6 +237,7 @@ void cutlass_w4a8_moe_mm(const W4A8MoeMmArgs& args, cudaStream_t stream, std::op
   problem.total_rows = args.a.size(0);
   problem.num_experts = args.expert_offsets.size(0);
   problem.topk = args.topk;
+  problem.activation_slots = args.a_slots.has_value();
 
   // A forced tactic is checked on every device, so a bad one fails the same way on CPU and GPU
   // (never a silent fallback); the CPU reference computes what every tactic computes.

@@ -153,9 +153,10 @@ void bind_ops(nb::module_& m) {
       [](Arg& d, const Arg& a, const Arg& b, const Arg& a_scales, const Arg& b_scales, const Arg& expert_offsets,
          const Arg& problem_sizes, const Arg* a_strides, const Arg* b_strides, const Arg* d_strides,
          const Arg* s_strides, int64_t chunk_size, int64_t topk, uintptr_t stream,
-         const std::optional<std::string>& tactic) {
+         const std::optional<std::string>& tactic, Arg* a_slots) {
         W4A8MoeMmArgs args = mm_args(d, a, b, a_scales, b_scales, expert_offsets, problem_sizes, a_strides,
                                      b_strides, d_strides, s_strides, chunk_size, topk);
+        if (a_slots != nullptr) args.a_slots = a_slots->ref;
         std::optional<Tactic> forced;
         if (tactic.has_value()) forced = parse_tactic(*tactic);
         nb::gil_scoped_release release;
@@ -164,16 +165,31 @@ void bind_ops(nb::module_& m) {
       nb::arg("d"), nb::arg("a"), nb::arg("b"), nb::arg("a_scales"), nb::arg("b_scales"),
       nb::arg("expert_offsets"), nb::arg("problem_sizes"), nb::arg("a_strides").none(),
       nb::arg("b_strides").none(), nb::arg("d_strides").none(), nb::arg("s_strides").none(),
-      nb::arg("chunk_size") = 128, nb::arg("topk") = 8, nb::arg("stream") = 0, nb::arg("tactic").none() = nb::none());
+      nb::arg("chunk_size") = 128, nb::arg("topk") = 8, nb::arg("stream") = 0, nb::arg("tactic").none() = nb::none(),
+      nb::arg("a_slots").none() = nb::none());
+  // Whether cutlass_w4a8_moe_mm would use an a_slots scratch ([R, 2K] uint8) for this problem and tactic (the
+  // forced one, else the heuristic's with the scratch given): the Python wrappers allocate one only then.
+  m.def(
+      "w4a8_activation_slots",
+      [](int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk,
+         const std::optional<std::string>& tactic) {
+        GemmProblem problem = problem_of(n, k, total_rows, num_experts, topk);
+        problem.activation_slots = true;
+        return activation_slots_pay(problem, tactic.has_value() ? parse_tactic(*tactic) : select_tactic(problem));
+      },
+      nb::arg("n"), nb::arg("k"), nb::arg("total_rows"), nb::arg("num_experts"), nb::arg("topk") = 8,
+      nb::arg("tactic").none() = nb::none());
 
   m.def(
       "select_tactic",
       [](int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk, bool bf16_activations,
-         bool fp4_weights) {
-        return select_tactic(problem_of(n, k, total_rows, num_experts, topk, bf16_activations, fp4_weights)).name();
+         bool fp4_weights, bool activation_slots) {
+        GemmProblem problem = problem_of(n, k, total_rows, num_experts, topk, bf16_activations, fp4_weights);
+        problem.activation_slots = activation_slots;
+        return select_tactic(problem).name();
       },
       nb::arg("n"), nb::arg("k"), nb::arg("total_rows"), nb::arg("num_experts"), nb::arg("topk") = 8,
-      nb::arg("bf16_activations") = false, nb::arg("fp4_weights") = false);
+      nb::arg("bf16_activations") = false, nb::arg("fp4_weights") = false, nb::arg("activation_slots") = false);
   m.def(
       "valid_tactics",
       [](int64_t n, int64_t k, int64_t total_rows, int64_t num_experts, int64_t topk, bool bf16_activations) {

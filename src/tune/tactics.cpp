@@ -121,6 +121,13 @@ constexpr int64_t kDecodeN8MaxRows = 4;
 // 758.8; DeepSeek-V3 GEMM1 1341.3 vs 1326.5, 1% the other way): up to 8 rows.
 constexpr int64_t kDecodeN8MaxRowsManyExperts = 8;
 constexpr int64_t kManyExperts = 64;
+// With the activations in fp16 K slots (GemmProblem::activation_slots, a pass over A instead of each warp's unpack)
+// the 16-token tile is 1-7% faster, pass included (H200, forced n16 at T = 64-384, A/B alternated in one call,
+// bench/results/2026-12-03_s34b_*: DeepSeek-V3 GEMM1 T = 256 1311 -> 1254 us, GEMM2 766 -> 737, Qwen3-235B GEMM1 432
+// -> 421, Mixtral GEMM1 / GEMM2 1-4%), and slower on the small Qwen3-30B GEMM2 (K = 768: 59 -> 63 us, the pass's cost).
+// At 8 rows per expert it then beats the 8-token tile (DeepSeek-V3 GEMM1 1254 vs 1349 us, GEMM2 737 vs 767).
+constexpr int64_t kActivationSlotsMinK = 2048;
+constexpr int64_t kActivationSlotsMinN = 3072;
 constexpr int64_t kDecodeN16MaxRows = 14;
 // 128 x 24 and 128 x 32 tiles above (tactic sweeps, H200, bench/results/2026-11-30_s11b_nvidia_h200_n32_sweep.md
 // and 2026-11-30_s11f_nvidia_h200_n24_sweep.md). n16 needs a second token tile for every expert past 16 rows;
@@ -275,6 +282,7 @@ Tactic select_tactic(const GemmProblem& problem) {
   const int64_t rows = problem.total_rows > 0 ? problem.total_rows : 0;
   const int64_t rows_per_expert = (rows + experts - 1) / experts;
   const bool one_wave = one_wave_of_tiles(experts, problem.n);
+  const bool slots_pay_here = activation_slots_pay(problem, make(Family::kDecode, 128, 16, 256));
   const double mu = static_cast<double>(rows) / static_cast<double>(experts);
   Tactic t;
   const int64_t hit = rows < experts ? rows : experts;
@@ -294,7 +302,9 @@ Tactic select_tactic(const GemmProblem& problem) {
         : wgmma_tile_pays(64, mu, experts, kBf16WgmmaN64TileCost)    ? make(Family::kPrefill, 128, 64, 128)
         : wgmma_tile_pays(160, mu, experts, bf16_n160_cost)          ? make(Family::kPrefill, 128, 160, 128)
                                                                      : make(Family::kPrefill, 128, 128, 128);
-  } else if (rows_per_expert <= (experts >= kManyExperts ? kDecodeN8MaxRowsManyExperts : kDecodeN8MaxRows)) {
+  } else if (rows_per_expert <= (experts < kManyExperts ? kDecodeN8MaxRows
+                                  : slots_pay_here        ? kDecodeN8MaxRowsManyExperts - 1
+                                                          : kDecodeN8MaxRowsManyExperts)) {
     t = tiny_grid    ? make(Family::kDecode, 32, 8, 512)
         : small_grid ? make(Family::kDecode, 64, 8, 512)
                      : make(Family::kDecode, 128, 8, 256);
@@ -323,6 +333,11 @@ Tactic select_tactic(const GemmProblem& problem) {
     if (logged.insert(line).second) std::fprintf(stderr, "qmoe tactic: %s\n", line.c_str());
   }
   return t;
+}
+
+bool activation_slots_pay(const GemmProblem& problem, const Tactic& tactic) {
+  return problem.activation_slots && !problem.bf16_activations && tactic == make(Family::kDecode, 128, 16, 256) &&
+         problem.k >= kActivationSlotsMinK && problem.n >= kActivationSlotsMinN;
 }
 
 Tactic parse_tactic(const std::string& name) {

@@ -41,6 +41,34 @@ TEST(Tactics, DecodeN8UpToFourRowsPerExpertOrEightWithManyExperts) {
   EXPECT_EQ(chosen(4 * 8 + 1, 8), "decode_m128_n16_k256");    // Mixtral: n16 from 5 rows
 }
 
+// With an a_slots scratch (activations in fp16 K slots) the 16-token tile takes 8 rows per expert from n8 where the
+// slots pay (K >= 2048, N >= 3072), and only that tile uses them.
+TEST(Tactics, ActivationSlotsMoveEightRowsToN16WhereTheyPay) {
+  qmoe::GemmProblem p = problem(8 * 256);  // DeepSeek-V3 GEMM1, T = 256
+  p.activation_slots = true;
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n16_k256");
+  EXPECT_TRUE(qmoe::activation_slots_pay(p, qmoe::select_tactic(p)));
+  EXPECT_EQ(qmoe::select_tactic(problem(8 * 256)).name(), "decode_m128_n8_k256");  // without: as before
+  EXPECT_FALSE(qmoe::activation_slots_pay(problem(8 * 256), qmoe::parse_tactic("decode_m128_n16_k256")));
+  p.total_rows = 7 * 256;  // 7 rows: n8 either way
+  EXPECT_EQ(qmoe::select_tactic(p).name(), "decode_m128_n8_k256");
+  EXPECT_FALSE(qmoe::activation_slots_pay(p, qmoe::select_tactic(p)));
+  qmoe::GemmProblem g2 = problem(8 * 256, 256, 7168, 2048);  // DeepSeek-V3 GEMM2: K = 2048 pays
+  g2.activation_slots = true;
+  EXPECT_EQ(qmoe::select_tactic(g2).name(), "decode_m128_n16_k256");
+  qmoe::GemmProblem small = problem(8 * 128, 128, 1536, 2048);  // Qwen3-30B GEMM1: N < 3072
+  small.activation_slots = true;
+  EXPECT_EQ(qmoe::select_tactic(small).name(), "decode_m128_n8_k256");
+  EXPECT_FALSE(qmoe::activation_slots_pay(small, qmoe::parse_tactic("decode_m128_n16_k256")));
+  qmoe::GemmProblem short_k = problem(12 * 128, 128, 4096, 1536);  // Qwen3-235B GEMM2: K < 2048
+  short_k.activation_slots = true;
+  EXPECT_FALSE(qmoe::activation_slots_pay(short_k, qmoe::select_tactic(short_k)));
+  p.total_rows = 12 * 256;  // n16 anyway: the slots pay there too; no other tile takes them
+  EXPECT_TRUE(qmoe::activation_slots_pay(p, qmoe::select_tactic(p)));
+  for (const char* other : {"decode_m128_n8_k256", "decode_m128_n24_k256", "prefill_m128_n32_k128"})
+    EXPECT_FALSE(qmoe::activation_slots_pay(p, qmoe::parse_tactic(other))) << other;
+}
+
 TEST(Tactics, HalfHeightDecodeTilesWhenTheGridIsSmallerThanTheGpu) {
   auto pick = [](int64_t rows, int64_t experts, int64_t n) {
     return qmoe::select_tactic(problem(rows, experts, n)).name();

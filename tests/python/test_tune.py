@@ -414,10 +414,10 @@ class _FakeCuda:
         self.ran = []
         real = _C.w4a8_moe_mm
 
-        def recording(*args):
+        def recording(*args, **kwargs):  # (kwargs: the wrapper's a_slots scratch)
             self.ran.append(args[-1])
             timer.last.tactic = ("gemm", args[-1])
-            return real(*args)
+            return real(*args, **kwargs)
 
         monkeypatch.setattr(_C, "w4a8_moe_mm", recording)
         monkeypatch.setattr(tune, "_default", make_tuner(timer))

@@ -127,7 +127,10 @@ def bench_row(torch, sgl, ops, model, shape, tokens, gemm, meta, args, ceilings,
         row["qmoe_error"] = f"K = {k} is not a multiple of 128 (unsupported by the int4-g128 format)"
     else:
         try:
-            row["tactic"] = ops.select_tactic(n, k, rows, experts, topk)
+            # (the SGLang wrapper below passes an a_slots scratch where it pays: the choice with it)
+            row["tactic"] = ops.select_tactic(n, k, rows, experts, topk, activation_slots=True)
+            if ops.w4a8_activation_slots(n, k, rows, experts, topk):
+                row["tactic"] += " + a_slots"
         except Exception as e:  # informative only
             row["tactic"] = f"? ({e})"
         sizes = (meta["ps1"] if gemm == "gemm1" else meta["ps2"])

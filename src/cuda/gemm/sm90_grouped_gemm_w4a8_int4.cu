@@ -24,6 +24,7 @@
 #include <utility>
 
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"
+#include "cuda/gemm/e4m3_to_f16_slots.h"
 #include "cuda/gemm/resident_ctas.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
 #include "cuda/gemm/w4a8_act_requant.h"
@@ -39,11 +40,12 @@ using w4a8::Config;
 using w4a8::sm90_grouped_gemm_w4a8_int4_kernel;
 
 
-template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS>
+template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS,
+          int A_BYTES = 1>
 void launch_typed(const W4A8ParamsOf<OutT>& params, int64_t rows, int device, cudaStream_t stream) {
-  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K>;
+  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K, A_BYTES>;
   constexpr auto kernel =
-      sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K, MIN_BLOCKS>;
+      sm90_grouped_gemm_w4a8_int4_kernel<OutT, WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K, MIN_BLOCKS, A_BYTES>;
   const int fit = resident_ctas<kernel>(Cfg::kThreads, Cfg::kSmemBytes, device, "occupancy of the w4a8 grouped gemm");
   // Upper bound of the tiles (the real count is only known on the device): every expert may add
   // one partial token tile.
@@ -101,6 +103,15 @@ Prepared prepare(const W4A8MoeMmArgs& args, const RowScatterAdd& scatter) {
               "an address that is not 16-byte aligned");
   }
   return Prepared{params, fp32_out, rows, args.a.device_index};
+}
+
+// The 16-token tile reads the activations from args.a_slots in fp16 K slots (grouped_gemm.h, activation_slots_pay).
+bool uses_activation_slots(const W4A8MoeMmArgs& args, const Tactic& tactic) {
+  GemmProblem problem;
+  problem.n = args.d.size(1);
+  problem.k = args.a.size(1);
+  problem.activation_slots = args.a_slots.has_value();
+  return activation_slots_pay(problem, tactic);
 }
 
 bool is_tactic(const Tactic& tactic, Tactic::Family f, int m, int n, int k) {
@@ -186,6 +197,15 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
       launch<2, 1, 4, 1, 2, 3, 2, 3>(params, fp32_out, rows, device, stream);
     else
       launch<2, 1, 4, 1, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
+  } else if (is(Family::kDecode, 128, 16, 256) && uses_activation_slots(args, tactic) && !fp32_out &&
+             scatter.out == nullptr) {
+    // The activations once into their fp16 K slots (args.a_slots), then the n16 tile without its per-warp
+    // unpack: the same MMA operands, the same bits (e4m3_to_f16_slots.h).
+    uint8_t* slots = args.a_slots->ptr<uint8_t>();
+    e4m3_to_f16_slots(params.a, slots, rows, params.k, stream);
+    W4A8GemmParams with_slots = params;
+    with_slots.a = slots;
+    launch_typed<__nv_bfloat16, 2, 1, 4, 2, 2, 4, 2, 2, /*A_BYTES=*/2>(with_slots, rows, device, stream);
   } else if (is(Family::kDecode, 128, 16, 256)) {
     launch<2, 1, 4, 2, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 24, 256)) {

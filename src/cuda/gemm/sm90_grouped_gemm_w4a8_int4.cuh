@@ -142,7 +142,9 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1,
 
 // WARPS_K: warps splitting the K groups of a stage (warp k takes the groups g with g % WARPS_K == k);
 // their sums meet in shared memory at the end of a tile (kSplitBytes).
-template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K>
+// A_BYTES: 1 = e4m3 activations (unpacked to fp16 K slots by every warp), 2 = activations already in
+// those fp16 K slots (e4m3_to_f16_slots.h: 16 bytes per 8 K, the MMAs' B registers as they are).
+template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int A_BYTES = 1>
 struct Config {
   static constexpr int kThreads = WARPS_M * WARPS_N * WARPS_K * 32;
   static constexpr int kTileM = WARPS_M * MF * 16;  // weight rows (output features)
@@ -150,7 +152,8 @@ struct Config {
   static constexpr int kTileK = GPS * kGroup;       // K per pipeline stage
   static constexpr int kRowBytesB = GPS * kGroupBytesB;  // bytes of one weight row per stage
   static constexpr int kStageB = kTileM * kRowBytesB;
-  static constexpr int kStageA = kTileN * kTileK;
+  static constexpr int kRowBytesA = kTileK * A_BYTES;  // bytes of one activation row per stage
+  static constexpr int kStageA = kTileN * kRowBytesA;
   // Scales per stage: packed-4 keeps one 8-byte block (4 groups) per row and 512-K block, packed-1
   // GPS slices of TILE_M bf16.
   static constexpr int kScaleBlocks = GPS >= 4 ? GPS / 4 : 1;
@@ -213,6 +216,9 @@ __device__ __forceinline__ void store_fragments(float (&acc)[MF][NF][4], const G
 // 16-byte chunk swizzles (XOR), chosen so that the 8 lanes of a quarter warp (2 rows x 4 `tig`)
 // read 8 different bank groups: activation rows are >= 128 bytes, weight rows are 64 * GPS bytes.
 __device__ __forceinline__ int swizzle_a(int chunk, int row) { return chunk ^ (row & 7); }
+// fp16-slot activations (A_BYTES 2): lane (row, tig) reads chunk 4 tig + j (+ 16 per group) at K step j; bit 3 of
+// the chunk (tig >= 2) also flips bit 1, so that 2 rows x 4 tig meet 8 bank groups.
+__device__ __forceinline__ int swizzle_a16(int chunk, int row) { return chunk ^ (row & 7) ^ ((chunk >> 2) & 2); }
 template <int GPS>
 __device__ __forceinline__ int swizzle_b(int chunk, int row) {
   return GPS >= 2 ? chunk ^ ((row & 1) << 2) : chunk;
@@ -259,14 +265,17 @@ __device__ __forceinline__ void act_requant_epilogue(const W4A8ActGemmParams& p,
   act_requant_items<kTileM, kThreads>(ep, t, park, tid);
 }
 
-template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS>
+template <class OutT, int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int MIN_BLOCKS,
+          int A_BYTES = 1>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     sm90_grouped_gemm_w4a8_int4_kernel(const W4A8ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;  // the fused activation epilogue
   static_assert(std::is_same<OutT, __nv_bfloat16>::value || std::is_same<OutT, float>::value || kAct,
                 "the epilogue stores bf16 (the public op), fp32 or e4m3 A2 (the fused MoE's GEMM1)");
-  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K>;
+  using Cfg = Config<WARPS_M, WARPS_N, MF, NF, GPS, STAGES, WARPS_K, A_BYTES>;
+  static_assert(A_BYTES == 1 || A_BYTES == 2, "e4m3 activations or their fp16 K slots");
+  constexpr int kRowBytesA = Cfg::kRowBytesA;
   constexpr int kTileM = Cfg::kTileM;
   constexpr int kTileN = Cfg::kTileN;
   constexpr int kThreads = Cfg::kThreads;
@@ -300,7 +309,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   constexpr int kChunksB = GPS * 4;  // 16-byte chunks of one weight row per stage
   constexpr int kRowsPerPassB = kThreads / kChunksB;
   constexpr int kPassesB = kTileM / kRowsPerPassB;
-  constexpr int kChunksA = GPS * 8;  // 16-byte chunks of one activation row per stage
+  constexpr int kChunksA = GPS * 8 * A_BYTES;  // 16-byte chunks of one activation row per stage
   constexpr int kRowsPerPassA = kThreads / kChunksA;
   constexpr int kPassesA = (kTileN + kRowsPerPassA - 1) / kRowsPerPassA;
   static_assert(kThreads % kChunksB == 0 && kTileM % kRowsPerPassB == 0, "weight copies tile the stage");
@@ -312,7 +321,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   const int b_row = tid / kChunksB, b_chunk = tid % kChunksB;
   const int a_row = tid / kChunksA, a_chunk = tid % kChunksA;
   const int64_t b_pass_stride = kRowsPerPassB * row_bytes_b;
-  const int64_t a_pass_stride = static_cast<int64_t>(kRowsPerPassA) * p.k;
+  const int64_t a_pass_stride = static_cast<int64_t>(kRowsPerPassA) * p.k * A_BYTES;
 
   const uint8_t* b_src = p.b;  // row n0 + b_row, chunk b_chunk, group 0 of the current load tile
   int64_t b_jump = 0;          // kAct, gated: extra offset of the passes in the up half (tile rows >= F)
@@ -346,7 +355,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         }
       };
       b_src = p.b + (static_cast<int64_t>(t.expert) * p.n + weight_row(0) + b_row) * row_bytes_b + b_chunk * 16;
-      a_src = p.a + static_cast<int64_t>(t.row0 + a_row) * p.k + a_chunk * 16;
+      a_src = p.a + static_cast<int64_t>(t.row0 + a_row) * p.k * A_BYTES + a_chunk * 16;
       b_valid = a_valid = 0;
 #pragma unroll
       for (int i = 0; i < kPassesB; ++i) b_valid |= (t.n0 + b_row + i * kRowsPerPassB < p.n ? 1u : 0u) << i;
@@ -375,7 +384,7 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
     uint8_t* sa = sb + Cfg::kStageB;
     uint8_t* ss = sa + Cfg::kStageA;
     const bool b_chunk_ok = b_chunk < valid_groups * 4;  // K tail of the last stage
-    const bool a_chunk_ok = a_chunk < valid_groups * 8;
+    const bool a_chunk_ok = a_chunk < valid_groups * 8 * A_BYTES;
     if (kFullCopiesB && b_chunk_ok && b_valid == kAllPassesB) {  // every copy reads a real row chunk
       const uint8_t* src = b_src + g0 * kGroupBytesB;
 #pragma unroll
@@ -404,8 +413,9 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       const int r = a_row + i * kRowsPerPassA;
       if (kPassesA * kRowsPerPassA > kTileN && r >= kTileN) break;
       const bool valid = a_chunk_ok && ((a_valid >> i) & 1u);
-      const uint8_t* src = valid ? a_src + i * a_pass_stride + g0 * kGroup : p.a;
-      cp_async_16(sa + r * kTileK + (swizzle_a(a_chunk, r) << 4), src, valid);
+      const uint8_t* src = valid ? a_src + i * a_pass_stride + g0 * kGroup * A_BYTES : p.a;
+      const int chunk = A_BYTES == 1 ? swizzle_a(a_chunk, r) : swizzle_a16(a_chunk, r);
+      cp_async_16(sa + r * kRowBytesA + (chunk << 4), src, valid);
     }
     if (p.scales_packed4) {
       if (tid < Cfg::kScaleBlocks * kTileM / 2) {
@@ -498,7 +508,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
 #pragma unroll
         for (int nf = 0; nf < NF; ++nf) {
           const int t = (warp_n * NF + nf) * 8 + gid;
-          x[nf] = *reinterpret_cast<const uint4*>(sa + t * kTileK + (swizzle_a(gg * 8 + tig * 2 + half, t) << 4));
+          if constexpr (A_BYTES == 1)
+            x[nf] = *reinterpret_cast<const uint4*>(sa + t * kRowBytesA + (swizzle_a(gg * 8 + tig * 2 + half, t) << 4));
         }
 #pragma unroll
         for (int step = 0; step < 2; ++step) {
@@ -507,9 +518,19 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
           uint32_t b04[NF], b26[NF], b15[NF], b37[NF];
 #pragma unroll
           for (int nf = 0; nf < NF; ++nf) {
-            const uint32_t lo = step == 0 ? x[nf].x : x[nf].z;  // K 8j + 0..3
-            const uint32_t hi = step == 0 ? x[nf].y : x[nf].w;  // K 8j + 4..7
-            e4m3x8_to_f16_slots(lo, hi, b04[nf], b26[nf], b15[nf], b37[nf]);
+            if constexpr (A_BYTES == 1) {
+              const uint32_t lo = step == 0 ? x[nf].x : x[nf].z;  // K 8j + 0..3
+              const uint32_t hi = step == 0 ? x[nf].y : x[nf].w;  // K 8j + 4..7
+              e4m3x8_to_f16_slots(lo, hi, b04[nf], b26[nf], b15[nf], b37[nf]);
+            } else {  // the slots of K 8j + 0..7 as they are (one 16-byte load)
+              const int t = (warp_n * NF + nf) * 8 + gid;
+              const uint4 xs =
+                  *reinterpret_cast<const uint4*>(sa + t * kRowBytesA + (swizzle_a16(gg * 16 + tig * 4 + j, t) << 4));
+              b04[nf] = xs.x;
+              b26[nf] = xs.y;
+              b15[nf] = xs.z;
+              b37[nf] = xs.w;
+            }
             mma_f16(bias[nf], kF16MinusEight, kF16MinusEight, kF16MinusEight, kF16MinusEight, b04[nf], b26[nf]);
             mma_f16(bias[nf], kF16MinusEightX16, kF16MinusEightX16, kF16MinusEightX16, kF16MinusEightX16, b15[nf],
                     b37[nf]);
