@@ -63,10 +63,13 @@ const std::vector<Tactic>& compiled() {
       make(Family::kPrefill, 128, 160, 128),
       // WGMMA with 96-token tiles and two K groups in flight per warpgroup (m64n96k32): ~49-88 rows per expert.
       make(Family::kPrefill, 128, 96, 128),
-      // WGMMA with 64-token tiles (two CTAs per SM): chosen for 27-48 rows per expert.
+      // WGMMA with 64-token tiles (two CTAs per SM): chosen at 27-48 rows per expert where the 48-token tile would
+      // need second tiles (cheaper_n48_or_n64).
       make(Family::kPrefill, 128, 64, 128),
       // WGMMA with 32-token tiles (the 64-token kernel with 8 stages): chosen for 20-26 rows per expert.
       make(Family::kPrefill, 128, 32, 128),
+      // WGMMA with 48-token tiles (the same kernel, 6 stages): 27-48 rows per expert, by expected cost.
+      make(Family::kPrefill, 128, 48, 128),
   };
   return list;
 }
@@ -213,6 +216,12 @@ constexpr double kWgmmaN160TileCost = 1.18;
 // expert, one tile each (Qwen3-235B GEMM1 T = 1024 478 vs 572 us, Qwen3-30B GEMM1 142 vs 168, GEMM2 84 vs 101;
 // bench/results/2026-12-02_s24d_*), and at 512 rows 1.08x slower (5.8 expected tiles vs 4.5; predicted 1.09x).
 constexpr double kWgmmaN96TileCost = 0.84;
+// The 48-token tile of the two-CTA WGMMA kernel (m64n48k32, 6 stages; H200, forced tactics alternated twice in one call,
+// bench/results/2026-12-03_s34f_*): ~0.94 of a 64-token tile where both need one tile per expert (DeepSeek-V3 GEMM1 at
+// 32 rows 1643-1681 vs 1773-1803 us, GEMM2 897 vs 958; Qwen3-235B GEMM1 / GEMM2 and Qwen3-30B GEMM1 at 24-32 rows
+// 0.95; GLM-4.5 GEMM1 0.93-0.97), and 1.3-1.4x slower at 48 rows, where half the experts need a second 48-token
+// tile. Between 27 and 48 rows per expert the expected tile cost picks 48 or 64 (cheaper_n48_or_n64).
+constexpr double kWgmmaN48TileCost = 0.94;  // in 64-token tiles
 // The bf16 x 4-bit GEMM's WGMMA tiles (H200, bench/results/2026-12-01_s16c_* and s16d_*): tensor-bound, a 160-token
 // tile costs ~1.25 128-token ones (NVFP4 at 64 rows per expert, one tile each: 1.24-1.28; int4, whose 160-token
 // tile decodes after its wgmmas for want of registers: 1.28-1.42). Measured: 1.28-1.46x faster at 128 rows per
@@ -254,6 +263,10 @@ int cheapest_wgmma_tile(double mu, int64_t experts) {
   const double n128 = wgmma_tiles_cost(128, 1.0, mu, experts);
   const double n160 = wgmma_tiles_cost(160, kWgmmaN160TileCost, mu, experts);
   return n96 < n128 && n96 < n160 ? 96 : n160 < n128 ? 160 : 128;
+}
+// The two-CTA WGMMA token tile (48 or 64) with the smaller expected cost at mu rows per expert (costs in 64-token tiles).
+int cheaper_n48_or_n64(double mu, int64_t experts) {
+  return wgmma_tiles_cost(48, kWgmmaN48TileCost, mu, experts) < wgmma_tiles_cost(64, 1.0, mu, experts) ? 48 : 64;
 }
 // Feature tiles of 128 weight rows per expert.
 int64_t feature_tiles(int64_t n) { return (n + 127) / 128; }
@@ -318,7 +331,7 @@ Tactic select_tactic(const GemmProblem& problem) {
   } else if (rows_per_expert <= kWgmmaN32MaxRows) {
     t = make(Family::kPrefill, 128, 32, 128);  // WGMMA, 32-token tiles, 8 stages
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {
-    t = make(Family::kPrefill, 128, 64, 128);  // WGMMA, 64-token tiles, two CTAs per SM
+    t = make(Family::kPrefill, 128, cheaper_n48_or_n64(mu, experts), 128);  // WGMMA, 48 / 64 tokens, two CTAs per SM
   } else {
     t = make(Family::kPrefill, 128, cheapest_wgmma_tile(mu, experts), 128);  // WGMMA, 96 / 128 / 160 tokens
   }

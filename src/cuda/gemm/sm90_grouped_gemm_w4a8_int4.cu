@@ -118,12 +118,13 @@ bool is_tactic(const Tactic& tactic, Tactic::Family f, int m, int n, int k) {
   return tactic.family == f && tactic.tile_m == m && tactic.tile_n == n && tactic.tile_k == k && tactic.split_k == 1;
 }
 
-// The WGMMA tactics (prefill_m128_n{160,128,96,64,32}_k128: sm90_grouped_gemm_w4a8_int4_wgmma.cu).
+// The WGMMA tactics (prefill_m128_n{160,128,96,64,48,32}_k128: sm90_grouped_gemm_w4a8_int4_wgmma.cu).
 bool is_wgmma(const Tactic& tactic) {
   return is_tactic(tactic, Tactic::Family::kPrefill, 128, 160, 128) ||
          is_tactic(tactic, Tactic::Family::kPrefill, 128, 128, 128) ||
          is_tactic(tactic, Tactic::Family::kPrefill, 128, 96, 128) ||
          is_tactic(tactic, Tactic::Family::kPrefill, 128, 64, 128) ||
+         is_tactic(tactic, Tactic::Family::kPrefill, 128, 48, 128) ||
          is_tactic(tactic, Tactic::Family::kPrefill, 128, 32, 128);
 }
 

@@ -81,11 +81,12 @@ constexpr bool kOverlapConvert = true;
 // TILE_N token rows per tile (the wgmma N: 128, or 64 for experts with fewer rows).
 template <int TILE_N>
 struct Shape {
-  static_assert(TILE_N == 32 || TILE_N == 64 || TILE_N == 128, "wgmma m64n32k32, m64n64k32 or m64n128k32");
+  static_assert(TILE_N == 32 || TILE_N == 48 || TILE_N == 64 || TILE_N == 128,
+                "wgmma m64n32k32, m64n48k32, m64n64k32 or m64n128k32");
   // Stages of 17 KB (64 tokens): 5, two CTAs per SM in 2 x 92 KB. With the overlapped conversion one stage
   // ahead is landed, the rest in flight. 32-token tiles (13 KB stages, chosen at 20-26 rows per expert: weight
   // streaming): 8 stages, more bytes in flight per SM.
-  static constexpr int kStages = TILE_N == 32 ? 8 : 5;
+  static constexpr int kStages = TILE_N == 32 ? 8 : TILE_N == 48 ? 6 : 5;
   static_assert(kStages >= 3, "the overlapped conversion needs stage it + 1 landed while it + 2.. load");
   static constexpr int kAcc = TILE_N / 2;                 // fp32 accumulator registers per thread
   static constexpr int kStageA = TILE_N * kGroup;         // activations, TILE_N rows x 128 bytes
@@ -137,6 +138,16 @@ __device__ __forceinline__ void wgmma_m64n64k32(float (&d)[32], uint32_t a0, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(accumulate));
 }
 
+// d (64 x 48 fp32 per warpgroup) (+)= A (64 x 32 e4m3, registers) * B^T (48 x 32 e4m3, smem).
+__device__ __forceinline__ void wgmma_m64n48k32(float (&d)[24], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                uint32_t a3, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(accumulate));
+}
+
 // d (64 x 32 fp32 per warpgroup) (+)= A (64 x 32 e4m3, registers) * B^T (32 x 32 e4m3, smem).
 __device__ __forceinline__ void wgmma_m64n32k32(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
                                                 uint32_t a3, uint64_t desc_b, int accumulate) {
@@ -154,6 +165,7 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[TILE_N / 2], uint32_t a0, u
   else if constexpr (TILE_N == 128) wgmma_m64n128k32(d, a0, a1, a2, a3, desc_b, accumulate);
   else if constexpr (TILE_N == 96) wgmma_m64n96k32(d, a0, a1, a2, a3, desc_b, accumulate);
   else if constexpr (TILE_N == 64) wgmma_m64n64k32(d, a0, a1, a2, a3, desc_b, accumulate);
+  else if constexpr (TILE_N == 48) wgmma_m64n48k32(d, a0, a1, a2, a3, desc_b, accumulate);
   else wgmma_m64n32k32(d, a0, a1, a2, a3, desc_b, accumulate);
 }
 
@@ -586,8 +598,8 @@ void launch_typed(const Base& params, int64_t rows, cudaStream_t stream) {
 
 void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int tile_n, bool fp32_out,
                                cudaStream_t stream) {
-  QMOE_CHECK_ARG(tile_n == 32 || tile_n == 64 || tile_n == 96 || tile_n == 128 || tile_n == 160, "tactic",
-                 "a WGMMA token tile of 32, 64, 96, 128 or 160", std::to_string(tile_n));
+  QMOE_CHECK_ARG(tile_n == 32 || tile_n == 48 || tile_n == 64 || tile_n == 96 || tile_n == 128 || tile_n == 160, "tactic",
+                 "a WGMMA token tile of 32, 48, 64, 96, 128 or 160", std::to_string(tile_n));
   auto launch = [&](auto tile) {
     constexpr int kTileN = decltype(tile)::value;
     if (fp32_out) launch_typed<float, kTileN>(params, rows, stream);
@@ -597,16 +609,18 @@ void launch_w4a8_wgmma_prefill(const WgmmaGemmParams& params, int64_t rows, int 
   else if (tile_n == 128) launch(std::integral_constant<int, 128>{});
   else if (tile_n == 96) launch(std::integral_constant<int, 96>{});
   else if (tile_n == 64) launch(std::integral_constant<int, 64>{});
+  else if (tile_n == 48) launch(std::integral_constant<int, 48>{});
   else launch(std::integral_constant<int, 32>{});
 }
 
 void launch_w4a8_wgmma_act_requant(const WgmmaActGemmParams& params, int64_t rows, int tile_n, cudaStream_t stream) {
-  QMOE_CHECK_ARG(tile_n == 32 || tile_n == 64 || tile_n == 96 || tile_n == 128 || tile_n == 160, "tactic",
-                 "a WGMMA token tile of 32, 64, 96, 128 or 160", std::to_string(tile_n));
+  QMOE_CHECK_ARG(tile_n == 32 || tile_n == 48 || tile_n == 64 || tile_n == 96 || tile_n == 128 || tile_n == 160, "tactic",
+                 "a WGMMA token tile of 32, 48, 64, 96, 128 or 160", std::to_string(tile_n));
   if (tile_n == 160) launch_typed<ActE4m3, 160>(params, rows, stream);
   else if (tile_n == 128) launch_typed<ActE4m3, 128>(params, rows, stream);
   else if (tile_n == 96) launch_typed<ActE4m3, 96>(params, rows, stream);
   else if (tile_n == 64) launch_typed<ActE4m3, 64>(params, rows, stream);
+  else if (tile_n == 48) launch_typed<ActE4m3, 48>(params, rows, stream);
   else launch_typed<ActE4m3, 32>(params, rows, stream);
 }
 
