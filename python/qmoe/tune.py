@@ -373,7 +373,7 @@ def fused_moe_candidates(num_tokens: int, hidden: int, inter: int, gated: bool, 
 # mma.sync tiles, so their outputs differ in the last bits; all tactics of one family give the same bits
 # (measured: tests/python/test_gpu_reliability_runtime.py).
 WGMMA_TACTICS = frozenset({"prefill_m128_n160_k128", "prefill_m128_n128_k128", "prefill_m128_n96_k128",
-                           "prefill_m128_n64_k128", "prefill_m128_n32_k128"})
+                           "prefill_m128_n64_k128", "prefill_m128_n48_k128", "prefill_m128_n32_k128"})
 # ... and the WGMMA tiles of the bf16 x 4-bit GEMM (the other modes; its other tiles are mma.sync).
 BF16_WGMMA_TACTICS = frozenset({"prefill_m128_n64_k128", "prefill_m128_n128_k128", "prefill_m128_n160_k128"})
 

@@ -48,7 +48,7 @@ POISON = EPILOGUE_POISON
 DECODE_TACTICS = ("decode_m128_n8_k256", "decode_m128_n16_k256", "decode_m128_n24_k256", "decode_m128_n32_k256",
                   "decode_m64_n8_k512", "decode_m64_n32_k512")
 WGMMA_TACTICS = ("prefill_m128_n160_k128", "prefill_m128_n128_k128", "prefill_m128_n96_k128", "prefill_m128_n64_k128",
-                 "prefill_m128_n32_k128")
+                 "prefill_m128_n48_k128", "prefill_m128_n32_k128")
 WGMMA_ENV = "QMOE_WGMMA_FUSED_EPILOGUE"  # the WGMMA tiles' fused epilogue is opt-in (w4a8_act_requant.h)
 
 

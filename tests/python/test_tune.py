@@ -575,3 +575,14 @@ def test_cuda_event_timer_protocol(monkeypatch):
     assert got == 3.0
     timed = ["flush", ("record", "s"), "run", ("record", "s"), "sync"]
     assert log == ["run", "run"] + timed * 5
+
+
+def test_mma_family_covers_every_compiled_tile():
+    """tune.mma_family's sets name every WGMMA tile of both GEMM kernels (the k128 prefill tiles; the W4A8 kernel's
+    prefill_m128_n64_k256 is mma.sync): a tile added to the C++ list without them fails here, on the CPU."""
+    for bf16, mode in ((False, "w4a8_int4"), (True, "w4a4")):
+        names = qmoe.valid_tactics(4096, 7168, 64, 256, 8, bf16_activations=bf16)
+        assert names
+        for name in names:
+            wgmma = name.startswith("prefill_") and name.endswith("_k128")
+            assert tune.mma_family(name, mode) == ("wgmma" if wgmma else "mma.sync"), (mode, name)
