@@ -12,10 +12,10 @@
 // problem_sizes int32 [E, 3] rows (N, M_e, K); a/b/d/s_strides int64 [E, 3] (accepted for
 // compatibility; every entry must equal the leading dimension: K, K, N, N).
 // Limits: K % 128 == 0, chunk_size == 128, N % 8 == 0, E <= 1024.
-// a_slots (optional, a qmoe extension): uint8 [R, 2K] scratch on a's device, 16-byte aligned. Given it, the
+// a_slots (optional, a qmoe extension): uint8 [R, 2K + K/32] scratch on a's device, 16-byte aligned. Given it, the
 // 16-token decode tile (where activation_slots_pay, qmoe/tactics.h) first writes the activations there as the
-// fp16 operands of its MMAs, once per call instead of once per warp and feature tile, and then runs ~1-7%
-// faster; the results are bitwise the same. Its contents are scratch (overwritten, never read back by the caller).
+// fp16 operands of its MMAs with their bias sums, once per call instead of once per warp and feature tile, and then
+// runs faster; the results are bitwise the same. Its contents are scratch (overwritten, never read back by the caller).
 // The Python wrappers pass one when it pays (qmoe._C.w4a8_activation_slots).
 #pragma once
 

@@ -47,7 +47,8 @@ std::vector<Tactic> valid_tactics(const GemmProblem& problem);
 // The heuristic choice (pure; logs it once when QMOE_LOG_TACTICS=1).
 Tactic select_tactic(const GemmProblem& problem);
 // Whether the W4A8 GEMM converts the activations once into fp16 K slots for this tactic (given a scratch): only the
-// 16-token decode tile, on shapes where the tile's gain outweighs the conversion pass (K >= 2048, N >= 3072).
+// 16-token decode tile, on shapes where the tile's gain outweighs the conversion pass (K >= 2048, N >= 3072) and
+// K % 512 == 0.
 bool activation_slots_pay(const GemmProblem& problem, const Tactic& tactic);
 // Parses Tactic::name() (a tactic of either kernel); throws qmoe::Error on an unknown name.
 Tactic parse_tactic(const std::string& name);

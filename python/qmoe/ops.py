@@ -258,7 +258,7 @@ def select_tactic(n: int, k: int, total_rows: int, num_experts: int, topk: int =
 
 
 def w4a8_activation_slots(n: int, k: int, total_rows: int, num_experts: int, topk: int = 8, tactic=None) -> bool:
-    """Whether cutlass_w4a8_moe_mm would use an a_slots scratch ([R, 2K] uint8: the activations once in the
+    """Whether cutlass_w4a8_moe_mm would use an a_slots scratch ([R, 2K + K/32] uint8: the activations once in the
     16-token decode tile's fp16 operand slots; same results, a faster tile) for this problem and tactic (None: the
     heuristic's choice with the scratch given). The SGLang wrapper allocates one exactly then."""
     return bool(_C.w4a8_activation_slots(n, k, total_rows, num_experts, topk, tactic))

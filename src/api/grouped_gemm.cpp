@@ -166,11 +166,11 @@ void validate_w4a8_moe_mm(const W4A8MoeMmArgs& args) {
   for (const auto& [s, name] : strides)
     if (s->has_value()) check_no_alias(d, "d", **s, name);
 
-  // a_slots (a qmoe extension): uint8 [R, 2K] scratch that the op writes, so it overlaps no other argument.
+  // a_slots (a qmoe extension): uint8 [R, 2K + K/32] scratch that the op writes, so it overlaps no other argument.
   if (args.a_slots.has_value()) {
     const TensorRef& slots = *args.a_slots;
     check_dtype_in(slots, "a_slots", {DType::kUInt8, DType::kInt8});
-    check_shape(slots, "a_slots", {rows, 2 * k});
+    check_shape(slots, "a_slots", {rows, 2 * k + k / 32});
     check_contiguous(slots, "a_slots");
     check_has_data(slots, "a_slots");
     check_same_device(slots, "a_slots", a, "a");

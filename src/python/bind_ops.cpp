@@ -167,7 +167,7 @@ void bind_ops(nb::module_& m) {
       nb::arg("b_strides").none(), nb::arg("d_strides").none(), nb::arg("s_strides").none(),
       nb::arg("chunk_size") = 128, nb::arg("topk") = 8, nb::arg("stream") = 0, nb::arg("tactic").none() = nb::none(),
       nb::arg("a_slots").none() = nb::none());
-  // Whether cutlass_w4a8_moe_mm would use an a_slots scratch ([R, 2K] uint8) for this problem and tactic (the
+  // Whether cutlass_w4a8_moe_mm would use an a_slots scratch ([R, 2K + K/32] uint8) for this problem and tactic (the
   // forced one, else the heuristic's with the scratch given): the Python wrappers allocate one only then.
   m.def(
       "w4a8_activation_slots",

@@ -349,8 +349,9 @@ Tactic select_tactic(const GemmProblem& problem) {
 }
 
 bool activation_slots_pay(const GemmProblem& problem, const Tactic& tactic) {
+  // (K % 512 == 0: the slot rows' pitch 2K + K / 32 bytes stays 16-byte aligned)
   return problem.activation_slots && !problem.bf16_activations && tactic == make(Family::kDecode, 128, 16, 256) &&
-         problem.k >= kActivationSlotsMinK && problem.n >= kActivationSlotsMinN;
+         problem.k >= kActivationSlotsMinK && problem.k % 512 == 0 && problem.n >= kActivationSlotsMinN;
 }
 
 Tactic parse_tactic(const std::string& name) {

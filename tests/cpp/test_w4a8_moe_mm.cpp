@@ -407,28 +407,29 @@ TEST(W4A8MoeMmValidation, DMustNotAliasInputs) {
   expect_error([](Valid& v) { v.x.d.data = v.c.a.data(); }, "d");
   expect_error([](Valid& v) { v.x.b.data = v.c.d.data() + 8; }, "d");
 }
-// a_slots (a qmoe extension): uint8 [R, 2K] scratch; on the CPU it is checked and then not needed.
+// a_slots (a qmoe extension): uint8 [R, 2K + K/32] scratch; on the CPU it is checked and then not needed.
 TEST(W4A8MoeMmValidation, ActivationSlotsAccepted) {
   Valid v;
-  std::vector<uint8_t> slots(static_cast<size_t>(v.c.rows) * 2 * v.c.k, 0xAB);
-  v.x.a_slots = qmoe::make_tensor(slots.data(), DType::kUInt8, {v.c.rows, 2 * v.c.k});
+  const int64_t pitch = 2 * v.c.k + v.c.k / 32;
+  std::vector<uint8_t> slots(static_cast<size_t>(v.c.rows) * pitch, 0xAB);
+  v.x.a_slots = qmoe::make_tensor(slots.data(), DType::kUInt8, {v.c.rows, pitch});
   qmoe::cutlass_w4a8_moe_mm(v.x);
   v.c.check();
 }
 TEST(W4A8MoeMmValidation, ActivationSlotsShapeDtypeAndAliasing) {
-  std::vector<uint8_t> slots(static_cast<size_t>(100) * 2 * 512 + 64);
+  std::vector<uint8_t> slots(static_cast<size_t>(100) * 1040 + 64);  // K = 512: rows of 2K + K/32 = 1040 bytes
   auto with = [&](int64_t rows, int64_t cols, DType dtype) {
     return [&slots, rows, cols, dtype](Valid& v) {
       v.x.a_slots = qmoe::make_tensor(slots.data(), dtype, {rows, cols});
     };
   };
-  expect_error(with(100, 512, DType::kUInt8), "a_slots", qmoe::ErrorKind::kValue, "1024");  // [R, K]: too small
-  expect_error(with(99, 1024, DType::kUInt8), "a_slots");
-  expect_error(with(100, 1024, DType::kBFloat16), "a_slots", qmoe::ErrorKind::kType);
-  expect_error([](Valid& v) { v.x.a_slots = qmoe::make_tensor(v.c.a.data(), DType::kUInt8, {100, 1024}); },
+  expect_error(with(100, 1024, DType::kUInt8), "a_slots", qmoe::ErrorKind::kValue, "1040");  // [R, 2K]: no bias sums
+  expect_error(with(99, 1040, DType::kUInt8), "a_slots");
+  expect_error(with(100, 1040, DType::kBFloat16), "a_slots", qmoe::ErrorKind::kType);
+  expect_error([](Valid& v) { v.x.a_slots = qmoe::make_tensor(v.c.a.data(), DType::kUInt8, {100, 1040}); },
                "a_slots");  // overlaps a
   expect_error([&](Valid& v) {
-    v.x.a_slots = qmoe::make_tensor(slots.data(), DType::kUInt8, {100, 1024});
+    v.x.a_slots = qmoe::make_tensor(slots.data(), DType::kUInt8, {100, 1040});
     v.x.a_slots->device = Device::kCUDA;
   }, "a_slots");
 }
@@ -484,8 +485,8 @@ TEST(W4A8MoeMmValidation, CudaPointersAligned) {
 TEST(W4A8MoeMmValidation, CudaActivationSlotsAligned) {
   Valid v;
   move_to_cuda(v);
-  std::vector<uint8_t> slots(static_cast<size_t>(100) * 2 * 512 + 64);
-  v.x.a_slots = qmoe::make_tensor(slots.data() + 1, DType::kUInt8, {100, 1024}, Device::kCUDA, 0);
+  std::vector<uint8_t> slots(static_cast<size_t>(100) * 1040 + 64);
+  v.x.a_slots = qmoe::make_tensor(slots.data() + 1, DType::kUInt8, {100, 1040}, Device::kCUDA, 0);
   try {
     qmoe::validate_w4a8_moe_mm(v.x);
     FAIL() << "misaligned 'a_slots' accepted";

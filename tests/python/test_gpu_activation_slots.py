@@ -1,11 +1,11 @@
-"""GPU tests of the W4A8 GEMM's activation slots (W4A8MoeMmArgs::a_slots, qmoe/grouped_gemm.h): with an [R, 2K] uint8
-scratch the 16-token decode tile converts the activations once into the fp16 operands of its MMAs
-(src/cuda/gemm/e4m3_to_f16_slots.h) and reads them as they are, so its results must be the bits of the tile that
-unpacks them itself, and of every other mma.sync tactic.
+"""GPU tests of the W4A8 GEMM's activation slots (W4A8MoeMmArgs::a_slots, qmoe/grouped_gemm.h): with an [R, 2K + K/32]
+uint8 scratch the 16-token decode tile converts the activations once into the fp16 operands of its MMAs and their bias
+sums (src/cuda/gemm/e4m3_to_f16_slots.h) and reads them as they are, so its results must be the bits of the tile that
+computes them itself, and of every other mma.sync tactic.
 
 Checked on fresh random data, d poisoned with NaN and a's rows outside every group set to e4m3 NaN, ragged
 groups (empty experts, 1 row, odd counts, gaps): (1) forced n16 with and without the scratch, bitwise equal and
-within tolerance of the float64 twin; (2) the scratch holds the documented layout; (3) the SGLang wrapper passes a
+within tolerance of the float64 twin; (2) the scratch holds the documented layout (slots exactly, bias sums to fp32 rounding); (3) the SGLang wrapper passes a
 scratch exactly where qmoe._C.w4a8_activation_slots says so, and its result equals the 8-token tile's bits;
 (4) the wrapper inside a CUDA graph (the scratch from torch's graph pool) replays to the same bits.
 """
@@ -77,7 +77,7 @@ CASES = [
 def test_forced_n16_same_bits_with_and_without_slots(counts, n, k, per_row):
     p = problem(counts, n, k, seed=n + k + len(counts), per_row=per_row)
     assert _C.w4a8_activation_slots(n, k, p["rows"], len(counts), 8, N16)
-    slots = torch.randint(0, 256, (p["rows"], 2 * k), dtype=torch.uint8, device=DEV)  # scratch: any bytes
+    slots = torch.randint(0, 256, (p["rows"], 2 * k + k // 32), dtype=torch.uint8, device=DEV)  # scratch: any bytes
     plain = run(p, N16, None)
     fast = run(p, N16, slots)
     mask = p["mask"]
@@ -90,8 +90,12 @@ def test_forced_n16_same_bits_with_and_without_slots(counts, n, k, per_row):
     assert rel <= TOL, f"rel_rms {rel:.3e} > {TOL} (max_rel {worst:.3e})"
     # The scratch now holds every row of a in the documented layout (rows outside the groups too: NaN bytes).
     rows = mask.nonzero().flatten()
-    got = slots.view(torch.float16)[rows]
+    got = slots[rows, :2 * k].contiguous().view(torch.float16)
     assert torch.equal(got.view(torch.int16), expected_slots(p["a"][rows]).view(torch.int16))
+    # ... and after them the bias sums: sum over each K group of a x (-8 2^-24), as the tensor cores add them up
+    bias = slots[rows, 2 * k:].contiguous().view(torch.float32)
+    want = p["a"][rows].float().double().reshape(len(rows), k // 128, 128).sum(-1) * (-8.0 * 2.0 ** -24)
+    assert torch.allclose(bias.double(), want, rtol=1e-5, atol=1e-8), float((bias.double() - want).abs().max())
 
 
 def test_wrapper_uses_slots_where_they_pay_and_keeps_the_bits():

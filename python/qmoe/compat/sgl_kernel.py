@@ -49,8 +49,8 @@ def cutlass_w4a8_moe_mm(d, a, b, a_scales, b_scales, experts_offsets, problem_si
 
 
 def _activation_slots(d, a, experts_offsets, topk, tactic):
-    """Scratch [R, 2K] uint8 for the activations in the 16-token decode tile's fp16 operand slots, where the op uses
-    one (qmoe._C.w4a8_activation_slots; same results, a faster tile), else None."""
+    """Scratch [R, 2K + K/32] uint8 for the activations in the 16-token decode tile's fp16 operand slots (and their
+    bias sums), where the op uses one (qmoe._C.w4a8_activation_slots; same results, a faster tile), else None."""
     if not (tune.is_cuda(a) and _C.kernels_built() and len(d.shape) == 2 and len(a.shape) == 2
             and len(experts_offsets.shape) == 1):
         return None
@@ -63,4 +63,4 @@ def _activation_slots(d, a, experts_offsets, topk, tactic):
         return None
     import torch
 
-    return torch.empty((a.shape[0], 2 * a.shape[1]), dtype=torch.uint8, device=a.device)
+    return torch.empty((a.shape[0], 2 * a.shape[1] + a.shape[1] // 32), dtype=torch.uint8, device=a.device)

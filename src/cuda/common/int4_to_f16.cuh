@@ -56,6 +56,24 @@ QMOE_INT4_F16_HD void int4x8_to_biased_f16(uint32_t x, uint32_t& u04, uint32_t& 
 
 #if defined(__CUDACC__)
 
+// fp16 m16n8k16, fp32 accumulate.
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One K step (8 K) of the bias chain: bias += (-8 2^-24) x the activations of the step's slots (all weight rows alike).
+// The decode tiles run it per token fragment; e4m3_to_f16_slots runs the same sequence per row, so its sums are
+// these bits.
+__device__ __forceinline__ void bias_mma_step(float (&bias)[4], uint32_t b04, uint32_t b26, uint32_t b15, uint32_t b37) {
+  mma_f16(bias, kF16MinusEight, kF16MinusEight, kF16MinusEight, kF16MinusEight, b04, b26);
+  mma_f16(bias, kF16MinusEightX16, kF16MinusEightX16, kF16MinusEightX16, kF16MinusEightX16, b15, b37);
+}
+
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t bytes16) {
   uint32_t d;
   asm("{\n.reg .b16 t;\ncvt.u16.u32 t, %1;\ncvt.rn.f16x2.e4m3x2 %0, t;\n}" : "=r"(d) : "r"(bytes16));

@@ -24,7 +24,6 @@
 #include <utility>
 
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4.cuh"
-#include "cuda/gemm/e4m3_to_f16_slots.h"
 #include "cuda/gemm/resident_ctas.h"
 #include "cuda/gemm/sm90_grouped_gemm_w4a8_int4_wgmma.h"
 #include "cuda/gemm/w4a8_act_requant.h"
@@ -200,8 +199,8 @@ void w4a8_moe_mm(const W4A8MoeMmArgs& args, const Tactic& tactic, cudaStream_t s
       launch<2, 1, 4, 1, 2, 4, 2, 2>(params, fp32_out, rows, device, stream);
   } else if (is(Family::kDecode, 128, 16, 256) && uses_activation_slots(args, tactic) && !fp32_out &&
              scatter.out == nullptr) {
-    // The activations once into their fp16 K slots (args.a_slots), then the n16 tile without its per-warp
-    // unpack: the same MMA operands, the same bits (e4m3_to_f16_slots.h).
+    // The activations once into their fp16 K slots with their bias sums (args.a_slots), then the n16 tile without
+    // its per-warp unpack and bias MMAs: the same MMA operands and sums, the same bits (e4m3_to_f16_slots.h).
     uint8_t* slots = args.a_slots->ptr<uint8_t>();
     e4m3_to_f16_slots(params.a, slots, rows, params.k, stream);
     W4A8GemmParams with_slots = params;

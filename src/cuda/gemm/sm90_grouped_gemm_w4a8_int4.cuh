@@ -64,6 +64,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/common/int4_to_f16.cuh"
+#include "cuda/gemm/e4m3_to_f16_slots.h"
 #include "cuda/common/store_out.cuh"
 #include "cuda/fused/activation_math.cuh"
 #include "cuda/gemm/act_requant_items.cuh"
@@ -124,26 +125,22 @@ __device__ __forceinline__ void cp_async_16_full(void* smem, const void* global)
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global));
 }
+__device__ __forceinline__ void cp_async_4(void* smem, const void* global, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(global), "r"(bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// fp16 m16n8k16, fp32 accumulate (int4_to_f16.cuh says why fp16 on Hopper).
-__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // WARPS_K: warps splitting the K groups of a stage (warp k takes the groups g with g % WARPS_K == k);
 // their sums meet in shared memory at the end of a tile (kSplitBytes).
 // A_BYTES: 1 = e4m3 activations (unpacked to fp16 K slots by every warp), 2 = activations already in
-// those fp16 K slots (e4m3_to_f16_slots.h: 16 bytes per 8 K, the MMAs' B registers as they are).
+// those fp16 K slots, each row followed by its bias sums per K group (e4m3_to_f16_slots.h: 16 bytes per 8 K, the
+// MMAs' B registers as they are; the bias MMAs' fp32 results), so the tile runs neither the unpack nor the bias MMAs.
 template <int WARPS_M, int WARPS_N, int MF, int NF, int GPS, int STAGES, int WARPS_K, int A_BYTES = 1>
 struct Config {
   static constexpr int kThreads = WARPS_M * WARPS_N * WARPS_K * 32;
@@ -154,12 +151,13 @@ struct Config {
   static constexpr int kStageB = kTileM * kRowBytesB;
   static constexpr int kRowBytesA = kTileK * A_BYTES;  // bytes of one activation row per stage
   static constexpr int kStageA = kTileN * kRowBytesA;
+  static constexpr int kStageBias = A_BYTES == 2 ? kTileN * GPS * 4 : 0;  // fp32 bias sums [token][group]
   // Scales per stage: packed-4 keeps one 8-byte block (4 groups) per row and 512-K block, packed-1
   // GPS slices of TILE_M bf16.
   static constexpr int kScaleBlocks = GPS >= 4 ? GPS / 4 : 1;
   static constexpr int kStageS =
       kScaleBlocks * kTileM * 8 > GPS * kTileM * 2 ? kScaleBlocks * kTileM * 8 : GPS * kTileM * 2;
-  static constexpr int kStageBytes = kStageB + kStageA + kStageS;
+  static constexpr int kStageBytes = kStageB + kStageA + kStageS + kStageBias;
   static constexpr int kTileStartBytes = ((kMaxExperts + 1) * 4 + 127) / 128 * 128;  // keeps stages aligned
   static constexpr int kSplitBytes = (WARPS_K - 1) * WARPS_M * WARPS_N * 32 * MF * NF * 4 * 4;
   static constexpr int kSmemBytes = kTileStartBytes + STAGES * kStageBytes + kSplitBytes;
@@ -167,7 +165,9 @@ struct Config {
   static_assert(GPS == 1 || GPS == 2 || GPS == 4 || GPS == 8, "stages cover whole packed-4 scale blocks or lie in one");
   static_assert(kScaleBlocks * kTileM / 2 <= kThreads && GPS * kTileM / 8 <= kThreads, "one scale copy per thread");
   static_assert(STAGES >= 2, "a pipeline needs two stages");
-  static_assert(kStageB % 128 == 0 && kStageA % 128 == 0 && kStageS % 128 == 0, "stages keep 128-byte alignment");
+  static_assert(kStageB % 128 == 0 && kStageA % 128 == 0 && kStageS % 128 == 0 && kStageBias % 128 == 0,
+                "stages keep 128-byte alignment");
+  static_assert(kStageBias / 4 <= kThreads, "one bias copy per thread");
 };
 
 // Epilogue of the swap-AB mma.sync tiles (this kernel and the bf16 x 4-bit one): one warp's MF x NF
@@ -321,11 +321,15 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
   const int b_row = tid / kChunksB, b_chunk = tid % kChunksB;
   const int a_row = tid / kChunksA, a_chunk = tid % kChunksA;
   const int64_t b_pass_stride = kRowsPerPassB * row_bytes_b;
-  const int64_t a_pass_stride = static_cast<int64_t>(kRowsPerPassA) * p.k * A_BYTES;
+  // A_BYTES 2: a row is 2K bytes of slots, then the fp32 bias sums of its K / 128 groups (row pitch 2K + K / 32).
+  const int64_t a_row_pitch = A_BYTES == 1 ? int64_t{p.k} : f16_slots_row_bytes(p.k);
+  const int64_t a_pass_stride = kRowsPerPassA * a_row_pitch;
 
   const uint8_t* b_src = p.b;  // row n0 + b_row, chunk b_chunk, group 0 of the current load tile
   int64_t b_jump = 0;          // kAct, gated: extra offset of the passes in the up half (tile rows >= F)
   const uint8_t* a_src = p.a;  // row row0 + a_row, chunk a_chunk, group 0
+  const uint8_t* bias_src = p.a;  // A_BYTES 2: bias of row row0 + tid / GPS, group tid % GPS (threads < kStageBias / 4)
+  bool bias_valid = false;
   const __nv_bfloat16* s_src = p.b_scales;
   uint32_t b_valid = 0, a_valid = 0;  // bit i: pass i copies a real row
   bool s_valid = false;
@@ -355,7 +359,12 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
         }
       };
       b_src = p.b + (static_cast<int64_t>(t.expert) * p.n + weight_row(0) + b_row) * row_bytes_b + b_chunk * 16;
-      a_src = p.a + static_cast<int64_t>(t.row0 + a_row) * p.k * A_BYTES + a_chunk * 16;
+      a_src = p.a + static_cast<int64_t>(t.row0 + a_row) * a_row_pitch + a_chunk * 16;
+      if constexpr (A_BYTES == 2) {
+        const int bias_row = tid / GPS;
+        bias_valid = tid < Cfg::kStageBias / 4 && bias_row < t.rows;
+        bias_src = p.a + static_cast<int64_t>(t.row0 + bias_row) * a_row_pitch + 2 * int64_t{p.k} + (tid % GPS) * 4;
+      }
       b_valid = a_valid = 0;
 #pragma unroll
       for (int i = 0; i < kPassesB; ++i) b_valid |= (t.n0 + b_row + i * kRowsPerPassB < p.n ? 1u : 0u) << i;
@@ -416,6 +425,12 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
       const uint8_t* src = valid ? a_src + i * a_pass_stride + g0 * kGroup * A_BYTES : p.a;
       const int chunk = A_BYTES == 1 ? swizzle_a(a_chunk, r) : swizzle_a16(a_chunk, r);
       cp_async_16(sa + r * kRowBytesA + (chunk << 4), src, valid);
+    }
+    if constexpr (A_BYTES == 2) {  // the stage's bias sums: [token][group], one 4-byte copy each
+      if (tid < Cfg::kStageBias / 4) {
+        const bool valid = bias_valid && tid % GPS < valid_groups;
+        cp_async_4(ss + Cfg::kStageS + tid * 4, valid ? bias_src + g0 * 4 : p.a, valid);
+      }
     }
     if (p.scales_packed4) {
       if (tid < Cfg::kScaleBlocks * kTileM / 2) {
@@ -531,9 +546,9 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
               b15[nf] = xs.z;
               b37[nf] = xs.w;
             }
-            mma_f16(bias[nf], kF16MinusEight, kF16MinusEight, kF16MinusEight, kF16MinusEight, b04[nf], b26[nf]);
-            mma_f16(bias[nf], kF16MinusEightX16, kF16MinusEightX16, kF16MinusEightX16, kF16MinusEightX16, b15[nf],
-                    b37[nf]);
+            if constexpr (A_BYTES == 1) {  // (A_BYTES 2: the bias sums come with the stage)
+              bias_mma_step(bias[nf], b04[nf], b26[nf], b15[nf], b37[nf]);
+            }
           }
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) {
@@ -548,6 +563,15 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
               mma_f16(part[mf][nf], u15r0, u15r1, u37r0, u37r1, b15[nf], b37[nf]);
             }
           }
+        }
+      }
+      if constexpr (A_BYTES == 2) {  // this lane's token columns 2 tig, 2 tig + 1 of each fragment (all rows alike)
+        const float* sbias = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(ss) + Cfg::kStageS);
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf) {
+          const int t = (warp_n * NF + nf) * 8 + 2 * tig;
+          bias[nf][0] = bias[nf][2] = sbias[t * GPS + gg];
+          bias[nf][1] = bias[nf][3] = sbias[(t + 1) * GPS + gg];
         }
       }
       // Group promotion: acc += S[row, g] * P, P = 2^24 * (part + bias) (fp32, g increasing).
