@@ -16,6 +16,7 @@
 // 16-token decode tile (where activation_slots_pay, qmoe/tactics.h) first writes the activations there as the
 // fp16 operands of its MMAs with their bias sums, once per call instead of once per warp and feature tile, and then
 // runs faster; the results are bitwise the same. Its contents are scratch (overwritten, never read back by the caller).
+// The pass reads every row of a, also rows outside the groups (whose slots no tile reads).
 // The Python wrappers pass one when it pays (qmoe._C.w4a8_activation_slots).
 #pragma once
 
