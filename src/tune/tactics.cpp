@@ -128,7 +128,8 @@ constexpr int64_t kManyExperts = 64;
 // the 16-token tile is 1-7% faster, pass included (H200, forced n16 at T = 64-384, A/B alternated in one call,
 // bench/results/2026-12-03_s34b_*: DeepSeek-V3 GEMM1 T = 256 1311 -> 1254 us, GEMM2 766 -> 737, Qwen3-235B GEMM1 432
 // -> 421, Mixtral GEMM1 / GEMM2 1-4%), and slower on the small Qwen3-30B GEMM2 (K = 768: 59 -> 63 us, the pass's cost).
-// At 8 rows per expert it then beats the 8-token tile (DeepSeek-V3 GEMM1 1254 vs 1349 us, GEMM2 737 vs 767).
+// At 8 rows per expert it then beats the 8-token tile (DeepSeek-V3 GEMM1 1254 vs 1349 us, GEMM2 737 vs 767). With the
+// bias sums also in the slots (no bias MMAs in the tile, s34i) DeepSeek-V3 GEMM1 / GEMM2 T = 256 run 1211.8 / 749.1 us.
 constexpr int64_t kActivationSlotsMinK = 2048;
 constexpr int64_t kActivationSlotsMinN = 3072;
 constexpr int64_t kDecodeN16MaxRows = 14;

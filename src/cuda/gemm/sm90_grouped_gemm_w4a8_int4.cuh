@@ -537,7 +537,8 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
               const uint32_t lo = step == 0 ? x[nf].x : x[nf].z;  // K 8j + 0..3
               const uint32_t hi = step == 0 ? x[nf].y : x[nf].w;  // K 8j + 4..7
               e4m3x8_to_f16_slots(lo, hi, b04[nf], b26[nf], b15[nf], b37[nf]);
-            } else {  // the slots of K 8j + 0..7 as they are (one 16-byte load)
+              bias_mma_step(bias[nf], b04[nf], b26[nf], b15[nf], b37[nf]);
+            } else {  // the slots of K 8j + 0..7 as they are (one 16-byte load); the bias sums come with the stage
               const int t = (warp_n * NF + nf) * 8 + gid;
               const uint4 xs =
                   *reinterpret_cast<const uint4*>(sa + t * kRowBytesA + (swizzle_a16(gg * 16 + tig * 4 + j, t) << 4));
@@ -545,9 +546,6 @@ __global__ void __launch_bounds__(WARPS_M * WARPS_N * WARPS_K * 32, MIN_BLOCKS)
               b26[nf] = xs.y;
               b15[nf] = xs.z;
               b37[nf] = xs.w;
-            }
-            if constexpr (A_BYTES == 1) {  // (A_BYTES 2: the bias sums come with the stage)
-              bias_mma_step(bias[nf], b04[nf], b26[nf], b15[nf], b37[nf]);
             }
           }
 #pragma unroll
