@@ -12,7 +12,7 @@
 // through the validating API (3 warm-ups, median of 20) and around 32 back-to-back launcher calls
 // (the table uses the latter with QMOE_BENCH_BATCH=1); routings rotated (different experts each
 // launch, weights of all 256 experts >> L2). Filters: QMOE_BENCH_GEMM, QMOE_BENCH_T (comma list of any T),
-// QMOE_BENCH_TACTIC (a name or "heuristic"), QMOE_BENCH_SHAPES (other E:topk:N:K shapes),
+// QMOE_BENCH_TACTIC (a comma list of names, or "heuristic"), QMOE_BENCH_SHAPES (other E:topk:N:K shapes),
 // QMOE_BENCH_PER_ROW_SCALES=1 (a per-row a_scales, as the fused w4a8_int4 GEMMs; default one scale);
 // --bench-only skips the checks (for profilers).
 // Build: tests/gpu/build_w4a8_check.sh build/w4a8_check. Exit status 0 only when every check
@@ -244,7 +244,7 @@ void bench(std::vector<BenchRow>& rows_out) {
   const std::vector<BenchShape> shapes = bench_shapes({{256, 8, 4096, 7168}, {256, 8, 7168, 2048}});
   constexpr int kRoutings = 8, kWarmup = 3, kIters = 20;
   // Optional filters (profiling): QMOE_BENCH_GEMM=<shape index + 1>,
-  // QMOE_BENCH_TACTIC=<name> or "heuristic" (only the tactic select_tactic picks).
+  // QMOE_BENCH_TACTIC=<name>[,<name>...] or "heuristic" (only the tactic select_tactic picks).
   const char* f_gemm = std::getenv("QMOE_BENCH_GEMM");
   const char* f_tactic = std::getenv("QMOE_BENCH_TACTIC");
   for (int gi = 0; gi < static_cast<int>(shapes.size()); ++gi) {
@@ -316,7 +316,10 @@ void bench(std::vector<BenchRow>& rows_out) {
       double chosen_us = 0, best_us = 1e30;
       std::string best;
       for (const qmoe::Tactic& tac : qmoe::valid_tactics(gp)) {
-        if (f_tactic && (std::string(f_tactic) == "heuristic" ? !(tac == chosen) : tac.name() != f_tactic)) continue;
+        if (f_tactic && (std::string(f_tactic) == "heuristic" ? !(tac == chosen)
+                                                               : ("," + std::string(f_tactic) + ",").find(
+                                                                     "," + tac.name() + ",") == std::string::npos))
+          continue;
         std::vector<float> times;
         for (int it = 0; it < kWarmup + kIters; ++it) {
           const int q = it % kRoutings;
