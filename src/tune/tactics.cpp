@@ -132,7 +132,15 @@ constexpr int64_t kManyExperts = 64;
 // bias sums also in the slots (no bias MMAs in the tile, s34i) DeepSeek-V3 GEMM1 / GEMM2 T = 256 run 1211.8 / 749.1 us.
 constexpr int64_t kActivationSlotsMinK = 2048;
 constexpr int64_t kActivationSlotsMinN = 3072;
-constexpr int64_t kDecodeN16MaxRows = 14;
+// Session 35 (bench/results/2026-12-03_s35b_*: n16 / n24 / n32 / n48 / n64 forced at 12-28 rows per expert, 9 model
+// GEMM shapes, one run) supersedes the n16 / n24 / n32 switches below: since the WGMMA tiles' later gains (s18, s19,
+// s34) the 32-token WGMMA tile beats n24 at every shape from 14 rows (1.01-1.16x) and n16 at 14 rows (1.03-1.23x);
+// at 12 rows n16 still wins where K is long (DeepSeek-V3 GEMM1 1453 vs 1559 us, Qwen3-235B GEMM1 325 vs 348, Kimi-K2
+// GEMM1 2151 vs 2324, Mixtral GEMM1 198 vs 204), the 32-token tile where K is short (Qwen3-30B GEMM2 K 768: 59.6 vs
+// 66.0; Qwen3-235B GEMM2 K 1536: 192.7 vs 194.4) or where all tiles fit one wave (Mixtral GEMM2: 102 vs 127; n24
+// 105). So n16 up to 12 rows (11 where K <= 1536 or one wave), then the 32-token tile; n24 is no longer chosen.
+constexpr int64_t kDecodeN16MaxRows = 12;
+constexpr int64_t kWgmmaN32ShortKMaxK = 1536;
 // 128 x 24 and 128 x 32 tiles above (tactic sweeps, H200, bench/results/2026-11-30_s11b_nvidia_h200_n32_sweep.md
 // and 2026-11-30_s11f_nvidia_h200_n24_sweep.md). n16 needs a second token tile for every expert past 16 rows;
 // n24 costs ~1.1x n16 per tile and covers 24 rows, n32 ~1.5x and covers 32:
@@ -152,21 +160,10 @@ constexpr int64_t kDecodeN16MaxRows = 14;
 // at 18 rows n24 still wins on 5 of 8 (DeepSeek-V3 GEMM1 1744 vs 1870 us); at 22-26 rows it beats the
 // 64-token tile (1.03-1.12x; Qwen3-30B at 26 rows within 3% the other way), at 28 the 64-token tile wins
 // everywhere (DeepSeek-V3 GEMM1 2109 vs 2215). So n24 up to 19 rows, the 32-token tile up to 26.
-constexpr int64_t kDecodeN24MaxRows = 19;
 constexpr int64_t kWgmmaN32MaxRows = 26;
-// Since the WGMMA tiles load their a_scales during the last wgmmas (s18, bfd4e87: 1.02-1.23x at small K), the
-// 32-token tile beats n24 at 16 rows per expert when K is small (bench/results/2026-12-01_s18c_*: Qwen3-30B GEMM2
-// K 768 66.5 vs 76.5 us, Qwen3-235B GEMM2 K 1536 220.0 vs 225.7, Qwen3-30B GEMM1 K 2048 110.5 vs 110.8) but not
-// at K 4096 / 14336 (Mixtral GEMM1 236.6 vs 217.8, GEMM2 119.2 vs 105.0): the n24 tile's K walk is shorter there.
-// So with K <= 2048 the 32-token tile from 16 rows.
-constexpr int64_t kWgmmaN32SmallKMinRows = 16;
-constexpr int64_t kWgmmaN32SmallKMaxK = 2048;
 // Where the 128-row tiles of all experts fit in one wave (few experts, small N: Mixtral's GEMM2, 8 x 32
-// tiles <= 2 CTAs x 132 SMs) the slowest expert sets the time, and a second token tile is a second wave:
-// n24 from 12 rows (Mixtral GEMM2 12-18 rows: n24 108-123 us, n16 132-175, n32 141) up to 18 (at 20
-// rows n32 141 vs n24 151).
-constexpr int64_t kDecodeN24OneWaveMinRows = 12;
-constexpr int64_t kDecodeN24OneWaveMaxRows = 18;
+// tiles <= 2 CTAs x 132 SMs) the slowest expert sets the time, and a second token tile is a second wave: hence the
+// earlier switch to the 32-token tile there (s11-s12 measured n16 132-175 us at 12-18 rows, s35b n16 127 vs 102).
 constexpr int64_t kWgmmaN64MaxRows = 48;
 // The bf16 x 4-bit GEMM's own switches (QMOE_SWEEP_KERNEL=bf16 scripts/device_tactic_sweep.sh, H200,
 // int4 and NVFP4 weights, all 8 model GEMM shapes, bench/results/2026-11-30_s11a_nvidia_h200_bf16_sweep.md):
@@ -322,13 +319,9 @@ Tactic select_tactic(const GemmProblem& problem) {
     t = tiny_grid    ? make(Family::kDecode, 32, 8, 512)
         : small_grid ? make(Family::kDecode, 64, 8, 512)
                      : make(Family::kDecode, 128, 8, 256);
-  } else if (one_wave && rows_per_expert >= kDecodeN24OneWaveMinRows && rows_per_expert <= kDecodeN24OneWaveMaxRows) {
-    t = make(Family::kDecode, 128, 24, 256);
-  } else if (rows_per_expert <= kDecodeN16MaxRows) {
+  } else if (rows_per_expert < kDecodeN16MaxRows ||
+             (rows_per_expert == kDecodeN16MaxRows && !one_wave && problem.k > kWgmmaN32ShortKMaxK)) {
     t = make(Family::kDecode, 128, 16, 256);
-  } else if (rows_per_expert <= kDecodeN24MaxRows && !one_wave &&
-             !(problem.k <= kWgmmaN32SmallKMaxK && rows_per_expert >= kWgmmaN32SmallKMinRows)) {
-    t = make(Family::kDecode, 128, 24, 256);
   } else if (rows_per_expert <= kWgmmaN32MaxRows) {
     t = make(Family::kPrefill, 128, 32, 128);  // WGMMA, 32-token tiles, 8 stages
   } else if (rows_per_expert <= kWgmmaN64MaxRows) {

@@ -99,57 +99,40 @@ TEST(Tactics, DecodeN16Boundaries) {
   EXPECT_EQ(chosen(8 * 256 + 1), "decode_m128_n16_k256");
   EXPECT_EQ(chosen(8 * 64 + 1, 64), "decode_m128_n16_k256");
   EXPECT_EQ(chosen(9 * 256), "decode_m128_n16_k256");
-  EXPECT_EQ(chosen(14 * 256), "decode_m128_n16_k256");
+  EXPECT_EQ(chosen(12 * 256), "decode_m128_n16_k256");  // DeepSeek-V3 T = 384 (s35b: 1453 vs n32 1559 us)
 }
 
-TEST(Tactics, DecodeN24From15To19RowsThenWgmmaN32To26) {
-  EXPECT_EQ(chosen(14 * 256), "decode_m128_n16_k256");
-  EXPECT_EQ(chosen(14 * 256 + 1), "decode_m128_n24_k256");
-  EXPECT_EQ(qmoe::select_tactic(problem(14 * 256 + 1)).family, qmoe::Tactic::Family::kDecode);
-  EXPECT_EQ(chosen(18 * 256), "decode_m128_n24_k256");      // DeepSeek-V3 T=576, top-8
-  EXPECT_EQ(chosen(19 * 256), "decode_m128_n24_k256");
-  EXPECT_EQ(chosen(19 * 256 + 1), "prefill_m128_n32_k128");
-  EXPECT_EQ(qmoe::select_tactic(problem(19 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
-  EXPECT_EQ(chosen(20 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T=640, top-8
-  EXPECT_EQ(chosen(24 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T=768, top-8
-  EXPECT_EQ(chosen(26 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T=832, top-8
-  EXPECT_EQ(chosen(96 * 2, 8), "prefill_m128_n32_k128");     // Mixtral T=96: 24 rows per expert
-  EXPECT_EQ(qmoe::select_tactic(problem(76 * 2, 8, 28672)).name(), "decode_m128_n24_k256");  // Mixtral GEMM1 T=76
-  EXPECT_EQ(qmoe::select_tactic(problem(80 * 2, 8, 28672)).name(), "prefill_m128_n32_k128");  // 20 rows
+// s35b: the 32-token WGMMA tile from 13 rows per expert up to 26 (n24 is no longer chosen); from 12 rows where K is
+// short or all tiles fit one wave.
+TEST(Tactics, WgmmaN32From13To26Rows) {
+  EXPECT_EQ(chosen(12 * 256 + 1), "prefill_m128_n32_k128");
+  EXPECT_EQ(qmoe::select_tactic(problem(12 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
+  EXPECT_EQ(chosen(14 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T = 448 (1558 vs n24 1625, n16 1639)
+  EXPECT_EQ(chosen(16 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T = 512 (1576 vs n24 1703)
+  EXPECT_EQ(chosen(19 * 256), "prefill_m128_n32_k128");
+  EXPECT_EQ(chosen(26 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T = 832, top-8
+  EXPECT_EQ(chosen(96 * 2, 8), "prefill_m128_n32_k128");     // Mixtral T = 96: 24 rows per expert
+  for (int64_t rows = 13; rows <= 26; ++rows)
+    for (const auto& [experts, n, k] : {std::tuple<int64_t, int64_t, int64_t>{256, 4096, 7168}, {128, 3072, 4096},
+                                        {128, 2048, 768}, {8, 28672, 4096}, {8, 4096, 14336}, {384, 4096, 7168}})
+      EXPECT_EQ(qmoe::select_tactic(problem(rows * experts, experts, n, k)).name(), "prefill_m128_n32_k128")
+          << rows << " rows, E " << experts << " N " << n << " K " << k;
 }
 
-// K <= 2048: the 32-token WGMMA tile from 16 rows per expert (s18c), n24 at 15 rows and above K 2048.
-TEST(Tactics, WgmmaN32From16RowsAtSmallK) {
+TEST(Tactics, WgmmaN32At12RowsWhereKIsShortOrOneWave) {
   auto pick = [](int64_t rows, int64_t experts, int64_t n, int64_t k) {
     return qmoe::select_tactic(problem(rows, experts, n, k)).name();
   };
-  EXPECT_EQ(pick(16 * 128, 128, 2048, 768), "prefill_m128_n32_k128");   // Qwen3-30B GEMM2, T = 256
-  EXPECT_EQ(pick(16 * 128, 128, 1536, 2048), "prefill_m128_n32_k128");  // Qwen3-30B GEMM1, T = 256
-  EXPECT_EQ(pick(16 * 128, 128, 4096, 1536), "prefill_m128_n32_k128");  // Qwen3-235B GEMM2, T = 256
-  EXPECT_EQ(pick(15 * 128, 128, 2048, 768), "decode_m128_n24_k256");    // 15 rows
-  EXPECT_EQ(pick(16 * 128, 128, 3072, 4096), "decode_m128_n24_k256");   // Qwen3-235B GEMM1: K 4096
-  EXPECT_EQ(pick(16 * 256, 256, 7168, 2048), "prefill_m128_n32_k128");  // DeepSeek-V3 GEMM2 at 16 rows
-  EXPECT_EQ(pick(16 * 256, 256, 4096, 7168), "decode_m128_n24_k256");   // DeepSeek-V3 GEMM1
-  EXPECT_EQ(pick(64 * 2, 8, 28672, 4096), "decode_m128_n24_k256");      // Mixtral GEMM1, T = 64
-  EXPECT_EQ(pick(64 * 2, 8, 4096, 14336), "decode_m128_n24_k256");      // Mixtral GEMM2 (one wave)
-  EXPECT_EQ(pick(64 * 2, 8, 4096, 2048), "decode_m128_n24_k256");       // one wave: its own n24 rule first
-}
-
-// Tiles of all experts in one wave (two CTAs per SM: <= 264 tiles of 128 rows): n24 at 12-18 rows.
-TEST(Tactics, DecodeN24WhenOneWaveAt12To18Rows) {
-  auto pick = [](int64_t rows, int64_t experts, int64_t n) {
-    return qmoe::select_tactic(problem(rows, experts, n)).name();
-  };
-  EXPECT_EQ(pick(64 * 2, 8, 4096), "decode_m128_n24_k256");   // Mixtral GEMM2, T = 64: 8 x 32 tiles
-  EXPECT_EQ(pick(48 * 2, 8, 4096), "decode_m128_n24_k256");   // 12 rows
-  EXPECT_EQ(pick(44 * 2, 8, 4096), "decode_m128_n16_k256");   // 11 rows
-  EXPECT_EQ(pick(72 * 2, 8, 4096), "decode_m128_n24_k256");   // 18 rows
-  EXPECT_EQ(pick(76 * 2, 8, 4096), "prefill_m128_n32_k128");  // 19 rows: the 32-token WGMMA tile
-  EXPECT_EQ(pick(64 * 2, 8, 28672), "decode_m128_n24_k256");  // Mixtral GEMM1 (8 x 224 tiles): the general rule
-  EXPECT_EQ(pick(48 * 2, 8, 28672), "decode_m128_n16_k256");  // ... n16 at 12 rows there
-  EXPECT_EQ(pick(12 * 33, 33, 1024), "decode_m128_n24_k256");      // 33 x 8 = 264: one wave
-  EXPECT_EQ(pick(12 * 34, 34, 1024), "decode_m128_n16_k256");      // 34 x 8 = 272: two
-  EXPECT_EQ(pick(12 * 128, 128, 2048), "decode_m128_n16_k256");    // Qwen3-30B GEMM2, T = 192
+  EXPECT_EQ(pick(12 * 128, 128, 2048, 768), "prefill_m128_n32_k128");   // Qwen3-30B GEMM2, T = 192 (59.6 vs 66.0 us)
+  EXPECT_EQ(pick(12 * 128, 128, 4096, 1536), "prefill_m128_n32_k128");  // Qwen3-235B GEMM2, T = 192
+  EXPECT_EQ(pick(11 * 128, 128, 2048, 768), "decode_m128_n16_k256");    // 11 rows
+  EXPECT_EQ(pick(12 * 128, 128, 1536, 2048), "decode_m128_n16_k256");   // Qwen3-30B GEMM1: K 2048 (95.4 vs 97.0)
+  EXPECT_EQ(pick(12 * 128, 128, 3072, 4096), "decode_m128_n16_k256");   // Qwen3-235B GEMM1 (325 vs 348)
+  EXPECT_EQ(pick(48 * 2, 8, 28672, 4096), "decode_m128_n16_k256");      // Mixtral GEMM1 (8 x 224 tiles), 12 rows
+  EXPECT_EQ(pick(48 * 2, 8, 4096, 14336), "prefill_m128_n32_k128");     // Mixtral GEMM2: 8 x 32 tiles, one wave
+  EXPECT_EQ(pick(44 * 2, 8, 4096, 14336), "decode_m128_n16_k256");      // 11 rows
+  EXPECT_EQ(pick(12 * 33, 33, 1024, 7168), "prefill_m128_n32_k128");    // 33 x 8 = 264: one wave
+  EXPECT_EQ(pick(12 * 34, 34, 1024, 7168), "decode_m128_n16_k256");     // 34 x 8 = 272: two
 }
 
 // 27-48 rows: the 48-token tile while few experts pass 48 rows (its cost ~0.94 of the 64-token one), then 64.
