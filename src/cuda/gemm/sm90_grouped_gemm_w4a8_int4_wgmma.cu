@@ -178,6 +178,24 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[TILE_N / 2], uint32_t a0, u
 // and select in the conversion chain (1-4% faster, bench/results/2026-12-01_s15b_*).
 // The weight boxes land with the 64-byte swizzle (wgmma_tma_maps.cu): K step k of row r sits in 16-byte
 // chunk k ^ ((r >> 1) & 3); rows r0 and r1 share the order (r1 = r0 + 1 with r0 even, or r0 + 64).
+// The K steps' offsets in row r0 are loop-invariant: one register holds row r0's offset with the chunk order's bits
+// (AOperandOffset; steps k: offset ^ 16 k), set once per thread and opaque to the compiler. Recomputed from the row and
+// lane inside the step, as the compiler chose to do under the two-CTA kernels' 128-register cap, they cost ~20
+// instructions per K group.
+struct AOperandOffset {
+  uint32_t row0;  // r0 * 64 + 2 tig + 16 ((r0 >> 1) & 3): K step k's first 2-byte piece is at row0 ^ (16 k)
+};
+constexpr bool kOpaqueAOffset = false;
+template <bool kOpaque>
+__device__ __forceinline__ AOperandOffset a_operand_offset(int r0, int tig) {
+  const uint32_t v = r0 * (kGroup / 2) + 2 * tig + 16 * ((r0 >> 1) & 3);  // bits 4-5 hold the chunk order alone
+  // NOTE: through a shuffle to itself, which ptxas does not re-execute: it folds an identity mov or prmt and then
+  // recomputes v from r0 and the lane before every step.
+  if constexpr (kOpaque) return {__shfl_sync(0xffffffffu, v, static_cast<int>(threadIdx.x & 31))};
+  return {v};
+}
+// The fused activation epilogue's kernels (r1 = r0 + 64) keep the loads addressed from the rows: with the offset
+// register their spills grew (the 64-token kernel's from 40 to 72 bytes).
 __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int r1, int tig, uint32_t (&a)[4][4],
                                                 const Int4ToE4m3& cvt) {
   const int x = (r0 >> 1) & 3;
@@ -190,6 +208,19 @@ __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, int r0, int r
     a[k][1] = cvt(*reinterpret_cast<const uint16_t*>(row1 + chunk));
     a[k][2] = cvt(*reinterpret_cast<const uint16_t*>(row0 + chunk + 8));
     a[k][3] = cvt(*reinterpret_cast<const uint16_t*>(row1 + chunk + 8));
+  }
+}
+template <int kRowStep>  // r1 - r0
+__device__ __forceinline__ void stage_a_operand(const uint8_t* sw, AOperandOffset o, uint32_t (&a)[4][4],
+                                                const Int4ToE4m3& cvt) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint8_t* row0 = sw + (o.row0 ^ (16 * k));
+    const uint8_t* row1 = row0 + kRowStep * (kGroup / 2);
+    a[k][0] = cvt(*reinterpret_cast<const uint16_t*>(row0));
+    a[k][1] = cvt(*reinterpret_cast<const uint16_t*>(row1));
+    a[k][2] = cvt(*reinterpret_cast<const uint16_t*>(row0 + 8));
+    a[k][3] = cvt(*reinterpret_cast<const uint16_t*>(row1 + 8));
   }
 }
 
@@ -241,6 +272,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   // activation epilogue a feature's gate and up rows (operand_row0).
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = operand_row0<kAct>(warp >> 2, warp & 3, gid), r1 = r0 + kOperandRowStep<kAct>;
+  const AOperandOffset a_offset = a_operand_offset<kOpaqueAOffset && !kAct>(r0, tig);
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
@@ -248,7 +280,9 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   const Int4ToE4m3 cvt = Int4ToE4m3::make();
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
-    stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, tig, a, cvt);
+    const uint8_t* sw = stages + (it % kStages) * S::kStageBytes + S::kStageA;
+    if constexpr (kAct) stage_a_operand(sw, r0, r1, tig, a, cvt);
+    else stage_a_operand<1>(sw, a_offset, a, cvt);
   };
   // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
@@ -454,6 +488,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = wgmma::operand_row0<kAct>(wg - 1, warp & 3, gid), r1 = r0 + wgmma::kOperandRowStep<kAct>;
+  const wgmma_prefill::AOperandOffset a_offset =
+      wgmma_prefill::a_operand_offset<wgmma_prefill::kOpaqueAOffset && !kAct>(r0, tig);
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
@@ -463,7 +499,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   const Int4ToE4m3 cvt = Int4ToE4m3::make();
   auto convert = [&](int it, uint32_t (&out)[4][4]) {
-    wgmma_prefill::stage_a_operand(stages + (it % kStages) * S::kStageBytes + S::kStageA, r0, r1, tig, out, cvt);
+    const uint8_t* sw = stages + (it % kStages) * S::kStageBytes + S::kStageA;
+    if constexpr (kAct) wgmma_prefill::stage_a_operand(sw, r0, r1, tig, out, cvt);
+    else wgmma_prefill::stage_a_operand<1>(sw, a_offset, out, cvt);
   };
 
   GroupedTile t{0, 0, 0, 0};
