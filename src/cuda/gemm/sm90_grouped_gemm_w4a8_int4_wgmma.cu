@@ -178,14 +178,15 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[TILE_N / 2], uint32_t a0, u
 // and select in the conversion chain (1-4% faster, bench/results/2026-12-01_s15b_*).
 // The weight boxes land with the 64-byte swizzle (wgmma_tma_maps.cu): K step k of row r sits in 16-byte
 // chunk k ^ ((r >> 1) & 3); rows r0 and r1 share the order (r1 = r0 + 1 with r0 even, or r0 + 64).
-// The K steps' offsets in row r0 are loop-invariant: one register holds row r0's offset with the chunk order's bits
-// (AOperandOffset; steps k: offset ^ 16 k), set once per thread and opaque to the compiler. Recomputed from the row and
-// lane inside the step, as the compiler chose to do under the two-CTA kernels' 128-register cap, they cost ~20
-// instructions per K group.
+// The K steps' offsets in row r0 are loop-invariant: one value holds row r0's offset with the chunk order's bits
+// (AOperandOffset; step k: offset ^ 16 k). Left to the compiler it is recomputed from the row and lane before every step
+// (~20 instructions per K group of the 32-token tile); kOpaque makes it a register ptxas cannot recompute. Measured
+// (H200, A/B alternated twice, bench/results/2026-12-03_s35f_*): the warp-specialized tiles (168 registers, no spill)
+// 0.3-3% faster (96 tokens at Qwen3-235B GEMM1 T = 1024: 488 -> 474 us); the two-CTA tiles (128-register cap: the
+// 32-token one then spills 16 bytes) -2.7% to +1.7%, so they leave it to the compiler.
 struct AOperandOffset {
   uint32_t row0;  // r0 * 64 + 2 tig + 16 ((r0 >> 1) & 3): K step k's first 2-byte piece is at row0 ^ (16 k)
 };
-constexpr bool kOpaqueAOffset = false;
 template <bool kOpaque>
 __device__ __forceinline__ AOperandOffset a_operand_offset(int r0, int tig) {
   const uint32_t v = r0 * (kGroup / 2) + 2 * tig + 16 * ((r0 >> 1) & 3);  // bits 4-5 hold the chunk order alone
@@ -272,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   // activation epilogue a feature's gate and up rows (operand_row0).
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = operand_row0<kAct>(warp >> 2, warp & 3, gid), r1 = r0 + kOperandRowStep<kAct>;
-  const AOperandOffset a_offset = a_operand_offset<kOpaqueAOffset && !kAct>(r0, tig);
+  const AOperandOffset a_offset = a_operand_offset<false>(r0, tig);
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
@@ -489,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   const int gid = lane >> 2, tig = lane & 3;
   const int r0 = wgmma::operand_row0<kAct>(wg - 1, warp & 3, gid), r1 = r0 + wgmma::kOperandRowStep<kAct>;
   const wgmma_prefill::AOperandOffset a_offset =
-      wgmma_prefill::a_operand_offset<wgmma_prefill::kOpaqueAOffset && !kAct>(r0, tig);
+      wgmma_prefill::a_operand_offset<!kAct>(r0, tig);
   float acc[S::kAcc], part[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
