@@ -133,37 +133,21 @@ constexpr int64_t kManyExperts = 64;
 constexpr int64_t kActivationSlotsMinK = 2048;
 constexpr int64_t kActivationSlotsMinN = 3072;
 // Session 35 (bench/results/2026-12-03_s35b_*: n16 / n24 / n32 / n48 / n64 forced at 12-28 rows per expert, 9 model
-// GEMM shapes, one run) supersedes the n16 / n24 / n32 switches below: since the WGMMA tiles' later gains (s18, s19,
+// GEMM shapes, one run) supersedes the earlier n16 / n24 / n32 switches: since the WGMMA tiles' later gains (s18, s19,
 // s34) the 32-token WGMMA tile beats n24 at every shape from 14 rows (1.01-1.16x) and n16 at 14 rows (1.03-1.23x);
 // at 12 rows n16 still wins where K is long (DeepSeek-V3 GEMM1 1453 vs 1559 us, Qwen3-235B GEMM1 325 vs 348, Kimi-K2
 // GEMM1 2151 vs 2324, Mixtral GEMM1 198 vs 204), the 32-token tile where K is short (Qwen3-30B GEMM2 K 768: 59.6 vs
 // 66.0; Qwen3-235B GEMM2 K 1536: 192.7 vs 194.4) or where all tiles fit one wave (Mixtral GEMM2: 102 vs 127; n24
 // 105). So n16 up to 12 rows (11 where K <= 1536 or one wave), then the 32-token tile; n24 is no longer chosen.
+// (One wave: the 128-row tiles of all experts fit two CTAs per SM, e.g. Mixtral's GEMM2, 8 x 32 tiles; there the
+// slowest expert sets the time and a second 16-token tile is a second wave.)
 constexpr int64_t kDecodeN16MaxRows = 12;
 constexpr int64_t kWgmmaN32ShortKMaxK = 1536;
-// 128 x 24 and 128 x 32 tiles above (tactic sweeps, H200, bench/results/2026-11-30_s11b_nvidia_h200_n32_sweep.md
-// and 2026-11-30_s11f_nvidia_h200_n24_sweep.md). n16 needs a second token tile for every expert past 16 rows;
-// n24 costs ~1.1x n16 per tile and covers 24 rows, n32 ~1.5x and covers 32:
-//   12 rows: n16 fastest on 7 of 8 shapes (n24 1.07-1.12x slower); 14 rows: n16 and n24 within 2%;
-//   16 rows: n24 1.10-1.19x faster than n16; 18 and 20 rows: n24 1.11-1.27x faster than n32;
-//   24 rows: n32 1.10-1.25x faster than n16 and the WGMMA n64 tile; 32 rows: the WGMMA tile wins.
-// 21-23 rows (s12, bench/results/2026-11-30_s12b_nvidia_h200_n24_n32_sweep.md, 7 shapes not in one wave):
-//   21 rows: n24 1.07-1.12x faster than n32; 22 rows: 1.02-1.05x; 23 rows: within 1%.
-// Since the 64-token WGMMA tile loads by TMA (s14, 15-18% faster; bench/results/2026-12-01_s14c_* and
-// s14d_*, 19-28 rows on all 8 shapes): at 22 and 24 rows it beats n24 and n32 on every shape but one tie
-// (DeepSeek-V3 GEMM1 22 rows: 2112 vs 2107 us; 24 rows: 1.05-1.30x over n32); at 20 rows n24 still wins
-// on DeepSeek-V3 (1927 vs 2098, 1091 vs 1115), Qwen3-235B GEMM1 and Mixtral GEMM1, the 64-token tile on
-// Qwen3-30B GEMM2 (76 vs 85) and Mixtral GEMM2 (one wave). So n24 up to 20 rows, then the 64-token tile;
-// n32 is no longer chosen (kept for forcing and tuning).
-// Then a 32-token WGMMA tile (the same kernel, 8 stages; bench/results/2026-12-01_s14f_*, 18-28 rows on all
-// 8 shapes): at 20 rows it ties n24 on DeepSeek-V3 GEMM1 and Mixtral GEMM1 and wins elsewhere (1.02-1.22x),
-// at 18 rows n24 still wins on 5 of 8 (DeepSeek-V3 GEMM1 1744 vs 1870 us); at 22-26 rows it beats the
-// 64-token tile (1.03-1.12x; Qwen3-30B at 26 rows within 3% the other way), at 28 the 64-token tile wins
-// everywhere (DeepSeek-V3 GEMM1 2109 vs 2215). So n24 up to 19 rows, the 32-token tile up to 26.
+// The 32-token tile's upper end (bench/results/2026-12-01_s14f_*, 18-28 rows on 8 shapes): at 22-26 rows it beats the
+// 64-token tile (1.03-1.12x), at 28 the 64-token tile wins everywhere (DeepSeek-V3 GEMM1 2109 vs 2215 us); s35b at 26
+// rows: n32 and n48 within 1.06x of each other either way. (The earlier mma.sync n16 / n24 / n32 switches that s35b
+// replaced: s11b, s11f, s12b, s14c, s14d.)
 constexpr int64_t kWgmmaN32MaxRows = 26;
-// Where the 128-row tiles of all experts fit in one wave (few experts, small N: Mixtral's GEMM2, 8 x 32
-// tiles <= 2 CTAs x 132 SMs) the slowest expert sets the time, and a second token tile is a second wave: hence the
-// earlier switch to the 32-token tile there (s11-s12 measured n16 132-175 us at 12-18 rows, s35b n16 127 vs 102).
 constexpr int64_t kWgmmaN64MaxRows = 48;
 // The bf16 x 4-bit GEMM's own switches (QMOE_SWEEP_KERNEL=bf16 scripts/device_tactic_sweep.sh, H200,
 // int4 and NVFP4 weights, all 8 model GEMM shapes, bench/results/2026-11-30_s11a_nvidia_h200_bf16_sweep.md):
