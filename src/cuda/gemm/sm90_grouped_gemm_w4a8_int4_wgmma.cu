@@ -220,7 +220,8 @@ __device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
   asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
   return v;
 }
-// XOR on the shared address itself: the weight tile starts 1024-byte aligned, so (sw + row0) ^ 16 k = sw + (row0 ^ 16 k).
+// XOR on the shared address itself: the weight tile starts 64-byte aligned (1024: after TILE_N x 128 activation bytes of
+// a 1024-aligned stage), so no carry leaves bits 0-5 of sw + row0 and (sw + row0) ^ 16 k = sw + (row0 ^ 16 k).
 template <int kRowStep>  // r1 - r0
 __device__ __forceinline__ void stage_a_operand_xor(uint32_t sw, AOperandOffset o, uint32_t (&a)[4][4],
                                                     const Int4ToE4m3& cvt) {
