@@ -374,14 +374,20 @@ def fused_moe_candidates(num_tokens: int, hidden: int, inter: int, gated: bool, 
 # (measured: tests/python/test_gpu_reliability_runtime.py).
 WGMMA_TACTICS = frozenset({"prefill_m128_n160_k128", "prefill_m128_n128_k128", "prefill_m128_n96_k128",
                            "prefill_m128_n64_k128", "prefill_m128_n48_k128", "prefill_m128_n32_k128"})
+# ... except the W4A8 32-token tile, whose operands are biased codes with a bias wgmma per K step (design.md 6.2): a
+# family of its own.
+BIASED_WGMMA_TACTICS = frozenset({"prefill_m128_n32_k128"})
 # ... and the WGMMA tiles of the bf16 x 4-bit GEMM (the other modes; its other tiles are mma.sync).
 BF16_WGMMA_TACTICS = frozenset({"prefill_m128_n64_k128", "prefill_m128_n128_k128", "prefill_m128_n160_k128"})
 
 
 def mma_family(tactic: str, quant_mode: str) -> str:
-    """'wgmma' or 'mma.sync': tactics of one family give bitwise-identical results (per GEMM kernel: the
-    W4A8 GEMM of w4a8_int4, the bf16 x 4-bit GEMM of the other modes)."""
-    return "wgmma" if tactic in (WGMMA_TACTICS if quant_mode == "w4a8_int4" else BF16_WGMMA_TACTICS) else "mma.sync"
+    """'wgmma', 'wgmma.biased' or 'mma.sync': tactics of one family give bitwise-identical results (per GEMM
+    kernel: the W4A8 GEMM of w4a8_int4, the bf16 x 4-bit GEMM of the other modes)."""
+    if quant_mode == "w4a8_int4":
+        return ("wgmma.biased" if tactic in BIASED_WGMMA_TACTICS else "wgmma" if tactic in WGMMA_TACTICS
+                else "mma.sync")
+    return "wgmma" if tactic in BF16_WGMMA_TACTICS else "mma.sync"
 
 
 def fused_moe_tactic(num_tokens: int, *, quant_mode: str, hidden: int, inter: int, gated: bool, num_experts: int,

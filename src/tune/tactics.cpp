@@ -132,17 +132,21 @@ constexpr int64_t kManyExperts = 64;
 // bias sums also in the slots (no bias MMAs in the tile, s34i) DeepSeek-V3 GEMM1 / GEMM2 T = 256 run 1211.8 / 749.1 us.
 constexpr int64_t kActivationSlotsMinK = 2048;
 constexpr int64_t kActivationSlotsMinN = 3072;
-// Session 35 (bench/results/2026-12-03_s35b_*: n16 / n24 / n32 / n48 / n64 forced at 12-28 rows per expert, 9 model
-// GEMM shapes, one run) supersedes the earlier n16 / n24 / n32 switches: since the WGMMA tiles' later gains (s18, s19,
-// s34) the 32-token WGMMA tile beats n24 at every shape from 14 rows (1.01-1.16x) and n16 at 14 rows (1.03-1.23x);
-// at 12 rows n16 still wins where K is long (DeepSeek-V3 GEMM1 1453 vs 1559 us, Qwen3-235B GEMM1 325 vs 348, Kimi-K2
-// GEMM1 2151 vs 2324, Mixtral GEMM1 198 vs 204), the 32-token tile where K is short (Qwen3-30B GEMM2 K 768: 59.6 vs
-// 66.0; Qwen3-235B GEMM2 K 1536: 192.7 vs 194.4) or where all tiles fit one wave (Mixtral GEMM2: 102 vs 127; n24
-// 105). So n16 up to 12 rows (11 where K <= 1536 or one wave), then the 32-token tile; n24 is no longer chosen.
-// (One wave: the 128-row tiles of all experts fit two CTAs per SM, e.g. Mixtral's GEMM2, 8 x 32 tiles; there the
-// slowest expert sets the time and a second 16-token tile is a second wave.)
-constexpr int64_t kDecodeN16MaxRows = 12;
-constexpr int64_t kWgmmaN32ShortKMaxK = 1536;
+// n16 vs the 32-token WGMMA tile. Session 35 (bench/results/2026-12-03_s35b_*) retired n24 (the 32-token tile beats it at
+// every shape from 14 rows). Session 36, with the 32-token tile on biased codes (5-10% faster; n8 / n16 / n32 / n48
+// forced at 5-32 rows per expert on 15 model GEMM shapes and TP shards, bench/results/2026-12-03_s36a_*): n16 still wins
+// at 12 rows where K is long and the tiles take more than one wave (DeepSeek-V3 GEMM1 K 7168: 1732 vs 1851 us, n32 from
+// 13 rows); where K = 4096 the two tie at 8-10 rows and n32 wins from 11 (Qwen3-235B GEMM1 1.06x, Mixtral GEMM1 1.06x,
+// Qwen3-235B TP4 GEMM1 1.08x; only Mixtral TP8 GEMM1, one wave of 224 tiles, keeps n16 ahead to 12 rows by 4%); one-
+// wave grids along a long K tie at 10 (Mixtral GEMM2 K 14336 89.3 vs 92.0, TP2 49.7 vs 50.1) and go to n32 at 11 (1.2x);
+// between 1536 and 4096 n32 wins or ties from 10 rows (Qwen3-30B GEMM1 1.03x, Mixtral TP8 GEMM2 K 1792 1.05x; DeepSeek-V3
+// GEMM2 ties at 9-11); where K <= 1536 n32 wins from 9 rows, right after the many-expert n8 range (Qwen3-235B GEMM2
+// 1.07x, Qwen3-30B GEMM2 1.13x). (One wave: the 128-row tiles of all experts fit two CTAs per SM.)
+constexpr int64_t kDecodeN16LongK = 4096;   // n16 up to 12 rows above this K (more than one wave), 10 at it
+constexpr int64_t kDecodeN16ShortK = 1536;  // ... 9 above this K, 8 at or below it
+constexpr int64_t decode_n16_max_rows(int64_t k, bool one_wave) {
+  return k > kDecodeN16LongK && !one_wave ? 12 : k >= kDecodeN16LongK ? 10 : k > kDecodeN16ShortK ? 9 : 8;
+}
 // The 32-token tile's upper end (bench/results/2026-12-01_s14f_*, 18-28 rows on 8 shapes): at 22-26 rows it beats the
 // 64-token tile (1.03-1.12x), at 28 the 64-token tile wins everywhere (DeepSeek-V3 GEMM1 2109 vs 2215 us); s35b at 26
 // rows: n32 and n48 within 1.06x of each other either way. (The earlier mma.sync n16 / n24 / n32 switches that s35b
@@ -303,8 +307,7 @@ Tactic select_tactic(const GemmProblem& problem) {
     t = tiny_grid    ? make(Family::kDecode, 32, 8, 512)
         : small_grid ? make(Family::kDecode, 64, 8, 512)
                      : make(Family::kDecode, 128, 8, 256);
-  } else if (rows_per_expert < kDecodeN16MaxRows ||
-             (rows_per_expert == kDecodeN16MaxRows && !one_wave && problem.k > kWgmmaN32ShortKMaxK)) {
+  } else if (rows_per_expert <= decode_n16_max_rows(problem.k, one_wave)) {
     t = make(Family::kDecode, 128, 16, 256);
   } else if (rows_per_expert <= kWgmmaN32MaxRows) {
     t = make(Family::kPrefill, 128, 32, 128);  // WGMMA, 32-token tiles, 8 stages

@@ -70,4 +70,32 @@ TEST(Int4OperandCodes, E4m3LookupEveryWord) {
   EXPECT_EQ(cvt(0xABCD1234u), cvt(0x1234u));
 }
 
+// The biased codes of the WGMMA 32-token tile: row A's and row B's four int4 each become
+// the e4m3 codes of (q + 8) 2^-9, byte i = element i; the bias operand is -8 2^-9 in every byte.
+TEST(Int4OperandCodes, BiasedE4m3SpreadEveryRowPair) {
+  const qmoe::cuda::Int4PairToBiasedE4m3 spread = qmoe::cuda::Int4PairToBiasedE4m3::constants();
+  int wrong = 0;
+  uint32_t other = 0x2545F491u;
+  for (uint32_t v = 0; v <= 0xFFFFu; ++v) {
+    other = other * 1664525u + 1013904223u;
+    for (const bool a_side : {true, false}) {
+      const uint32_t w = a_side ? (v | (other << 16)) : ((v << 16) | (other & 0xFFFFu));
+      uint32_t row_a, row_b;
+      spread(w, row_a, row_b);
+      const uint32_t codes = a_side ? row_a : row_b;
+      for (int i = 0; i < 4; ++i) {
+        const int nibble = static_cast<int>((v >> (4 * i)) & 0xFu);
+        const int q = nibble >= 8 ? nibble - 16 : nibble;
+        const uint32_t expected = qmoe::float_to_e4m3(std::ldexp(static_cast<float>(q + 8), -9));
+        if (((codes >> (8 * i)) & 0xFFu) != expected && ++wrong <= 5)
+          ADD_FAILURE() << "word 0x" << std::hex << w << (a_side ? " row A" : " row B") << " element " << i;
+      }
+    }
+  }
+  EXPECT_EQ(wrong, 0);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ((qmoe::cuda::kE4m3MinusEightUlp >> (8 * i)) & 0xFFu, qmoe::float_to_e4m3(-8 * std::ldexp(1.0f, -9)));
+  EXPECT_EQ(qmoe::cuda::kBiasedOperandScale, std::ldexp(1.0f, 9));
+}
+
 }  // namespace

@@ -1,5 +1,5 @@
 // Tests of the W4A8 grouped-GEMM tactics (src/tune/tactics.cpp): the heuristic at each threshold
-// (estimated rows per expert = ceil(total_rows / num_experts): 4, or 8 from 64 experts on | 14 | 22 | 24 | 48),
+// (estimated rows per expert = ceil(total_rows / num_experts): 4, or 8 from 64 experts on | 8-12 by K | 26 | 48),
 // the compiled
 // list, name round trips and errors.
 #include <gtest/gtest.h>
@@ -99,15 +99,15 @@ TEST(Tactics, DecodeN16Boundaries) {
   EXPECT_EQ(chosen(8 * 256 + 1), "decode_m128_n16_k256");
   EXPECT_EQ(chosen(8 * 64 + 1, 64), "decode_m128_n16_k256");
   EXPECT_EQ(chosen(9 * 256), "decode_m128_n16_k256");
-  EXPECT_EQ(chosen(12 * 256), "decode_m128_n16_k256");  // DeepSeek-V3 T = 384 (s35b: 1453 vs n32 1559 us)
+  EXPECT_EQ(chosen(12 * 256), "decode_m128_n16_k256");  // DeepSeek-V3 T = 384 (s36a: 1732 vs n32 1851 us)
 }
 
-// s35b: the 32-token WGMMA tile from 13 rows per expert up to 26 (n24 is no longer chosen); from 12 rows where K is
-// short or all tiles fit one wave.
+// s35b, s36a: the 32-token WGMMA tile from 13 rows per expert up to 26 (n24 is no longer chosen); from fewer rows where
+// K is shorter or all tiles fit one wave (decode_n16_max_rows).
 TEST(Tactics, WgmmaN32From13To26Rows) {
   EXPECT_EQ(chosen(12 * 256 + 1), "prefill_m128_n32_k128");
   EXPECT_EQ(qmoe::select_tactic(problem(12 * 256 + 1)).family, qmoe::Tactic::Family::kPrefill);
-  EXPECT_EQ(chosen(14 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T = 448 (1558 vs n24 1625, n16 1639)
+  EXPECT_EQ(chosen(14 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T = 448 (1394 vs n16 1640)
   EXPECT_EQ(chosen(16 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T = 512 (1576 vs n24 1703)
   EXPECT_EQ(chosen(19 * 256), "prefill_m128_n32_k128");
   EXPECT_EQ(chosen(26 * 256), "prefill_m128_n32_k128");     // DeepSeek-V3 T = 832, top-8
@@ -119,20 +119,35 @@ TEST(Tactics, WgmmaN32From13To26Rows) {
           << rows << " rows, E " << experts << " N " << n << " K " << k;
 }
 
-TEST(Tactics, WgmmaN32At12RowsWhereKIsShortOrOneWave) {
+// Where n16 hands over to the 32-token tile below 13 rows: the last n16 row count per K (and wave count).
+TEST(Tactics, WgmmaN32BelowThirteenRowsByK) {
   auto pick = [](int64_t rows, int64_t experts, int64_t n, int64_t k) {
     return qmoe::select_tactic(problem(rows, experts, n, k)).name();
   };
-  EXPECT_EQ(pick(12 * 128, 128, 2048, 768), "prefill_m128_n32_k128");   // Qwen3-30B GEMM2, T = 192 (59.6 vs 66.0 us)
-  EXPECT_EQ(pick(12 * 128, 128, 4096, 1536), "prefill_m128_n32_k128");  // Qwen3-235B GEMM2, T = 192
-  EXPECT_EQ(pick(11 * 128, 128, 2048, 768), "decode_m128_n16_k256");    // 11 rows
-  EXPECT_EQ(pick(12 * 128, 128, 1536, 2048), "decode_m128_n16_k256");   // Qwen3-30B GEMM1: K 2048 (95.4 vs 97.0)
-  EXPECT_EQ(pick(12 * 128, 128, 3072, 4096), "decode_m128_n16_k256");   // Qwen3-235B GEMM1 (325 vs 348)
-  EXPECT_EQ(pick(48 * 2, 8, 28672, 4096), "decode_m128_n16_k256");      // Mixtral GEMM1 (8 x 224 tiles), 12 rows
-  EXPECT_EQ(pick(48 * 2, 8, 4096, 14336), "prefill_m128_n32_k128");     // Mixtral GEMM2: 8 x 32 tiles, one wave
-  EXPECT_EQ(pick(44 * 2, 8, 4096, 14336), "decode_m128_n16_k256");      // 11 rows
-  EXPECT_EQ(pick(12 * 33, 33, 1024, 7168), "prefill_m128_n32_k128");    // 33 x 8 = 264: one wave
-  EXPECT_EQ(pick(12 * 34, 34, 1024, 7168), "decode_m128_n16_k256");     // 34 x 8 = 272: two
+  struct Case {
+    int64_t experts, n, k, last_n16_rows;
+    const char* what;
+  };
+  for (const auto& c : {Case{256, 4096, 7168, 12, "DeepSeek-V3 GEMM1 (long K, 2048 tiles)"},
+                        Case{384, 4096, 7168, 12, "Kimi-K2 GEMM1"},
+                        Case{128, 3072, 4096, 10, "Qwen3-235B GEMM1 (n32 1.06x at 11 rows)"},
+                        Case{8, 28672, 4096, 10, "Mixtral GEMM1 (n32 1.06x at 11 rows)"},
+                        Case{8, 4096, 14336, 10, "Mixtral GEMM2 (one wave: 8 x 32 tiles)"},
+                        Case{8, 4096, 7168, 10, "Mixtral TP2 GEMM2 (one wave)"},
+                        Case{128, 768, 4096, 10, "Qwen3-235B TP4 GEMM1 (n32 1.08x at 11)"},
+                        Case{128, 1536, 2048, 9, "Qwen3-30B GEMM1 (n32 1.03x at 10)"},
+                        Case{8, 4096, 1792, 9, "Mixtral TP8 GEMM2 (n32 1.05x at 10)"},
+                        Case{8, 4096, 1536, 8, "K = 1536, few experts"}}) {
+    EXPECT_EQ(pick(c.last_n16_rows * c.experts, c.experts, c.n, c.k), "decode_m128_n16_k256") << c.what;
+    EXPECT_EQ(pick((c.last_n16_rows + 1) * c.experts, c.experts, c.n, c.k), "prefill_m128_n32_k128") << c.what;
+  }
+  // Many experts, K <= 1536: the n8 range (8 rows) hands over to the 32-token tile directly.
+  EXPECT_EQ(pick(8 * 128, 128, 4096, 1536), "decode_m128_n8_k256");    // Qwen3-235B GEMM2, T = 128
+  EXPECT_EQ(pick(9 * 128, 128, 4096, 1536), "prefill_m128_n32_k128");  // T = 144 (170 vs n16 181 us)
+  EXPECT_EQ(pick(9 * 128, 128, 2048, 768), "prefill_m128_n32_k128");   // Qwen3-30B GEMM2 (54.5 vs 61.6)
+  // One wave (33 x 8 = 264 tiles of 128 rows) against two (34 x 8) along K = 7168.
+  EXPECT_EQ(pick(11 * 33, 33, 1024, 7168), "prefill_m128_n32_k128");
+  EXPECT_EQ(pick(11 * 34, 34, 1024, 7168), "decode_m128_n16_k256");
 }
 
 // 27-48 rows: the 48-token tile while few experts pass 48 rows (its cost ~0.94 of the 64-token one), then 64.

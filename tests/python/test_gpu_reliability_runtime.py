@@ -154,7 +154,8 @@ def test_det_with_other_work_running(mode):
 @pytest.mark.parametrize("mode", FUSED_MODES)
 def test_det_across_tactics(mode, capsys):
     """Per tactic: bitwise equal over 3 runs and within tolerance of the CPU engine. Across tactics of
-    one MMA arithmetic (mma.sync or WGMMA, tune.mma_family): bitwise equal. Across the two: printed."""
+    one MMA arithmetic (mma.sync, WGMMA or W4A8's biased WGMMA tile, tune.mma_family): bitwise equal. Across them:
+    printed."""
     gpu_mode(mode)
     case = det_case(mode)
     dev = on_device(case)
@@ -178,11 +179,13 @@ def test_det_across_tactics(mode, capsys):
     for cls, members in groups.items():
         for t in members[1:]:
             assert same_bits(results[t], results[members[0]]), f"{cls}: {t} differs from {members[0]}"
-    if len(groups) == 2:
-        a, b = (results[m[0]] for m in groups.values())
-        differing = int((raw(a) != raw(b)).sum())
-        report(capsys, f"det_across_tactics {mode}: mma.sync vs wgmma: {differing} of {a.numel()} elements "
-                       f"differ; rel_rms {testing.rel_rms(to_np(a), to_np(b)):.2e}")
+    names = sorted(groups)
+    for i, fa in enumerate(names):
+        for fb in names[i + 1:]:
+            a, b = results[groups[fa][0]], results[groups[fb][0]]
+            differing = int((raw(a) != raw(b)).sum())
+            report(capsys, f"det_across_tactics {mode}: {fa} vs {fb}: {differing} of {a.numel()} elements "
+                           f"differ; rel_rms {testing.rel_rms(to_np(a), to_np(b)):.2e}")
 
 
 @pytest.mark.parametrize("mode", FUSED_MODES)

@@ -66,4 +66,36 @@ struct Int4ToE4m3 {
   }
 };
 
+// Biased codes (the WGMMA 32-token tile, sm90_grouped_gemm_w4a8_int4_wgmma.cu): q + 8 (0..15) read as an e4m3 code is the value
+// (q + 8) 2^-9 (codes 0..7 are the subnormals m 2^-9, 8..15 the first binade (8 + m) 2^-9), so the lookup becomes a
+// nibble spread: 6 ALU instructions per 8 weights of a row pair instead of 12. The caller cancels the bias with one
+// more wgmma per K step whose A operand is -8 2^-9 in every byte (kE4m3MinusEightUlp) and scales the sums by 2^9.
+// w holds 4 int4 of row A (bits 0..15, nibble i = element i) and 4 of row B (bits 16..31).
+constexpr uint32_t kE4m3MinusEightUlp = 0x88888888u;  // e4m3 0x88: sign | code 8 = -(8 2^-9)
+constexpr float kBiasedOperandScale = 512.f;          // 2^9
+struct Int4PairToBiasedE4m3 {
+  uint32_t nibbles, flip;  // 0x0F0F0F0F, 0x08080808 in registers (one LOP3 takes both)
+  uint32_t minus_eight[4];  // kE4m3MinusEightUlp each: the bias wgmma's A operand (four registers, read once)
+  static constexpr Int4PairToBiasedE4m3 constants() {
+    return {0x0F0F0F0Fu, 0x08080808u, {kE4m3MinusEightUlp, kE4m3MinusEightUlp, kE4m3MinusEightUlp, kE4m3MinusEightUlp}};
+  }
+#if defined(__CUDACC__)
+  __device__ __forceinline__ static Int4PairToBiasedE4m3 make() {
+    __shared__ uint32_t words[3];  // read back through volatile shared memory: see Int4ToE4m3::make
+    volatile uint32_t* w = words;
+    constexpr Int4PairToBiasedE4m3 c = constants();
+    w[0] = c.nibbles;
+    w[1] = c.flip;
+    w[2] = c.minus_eight[0];
+    return {w[0], w[1], {w[2], w[2], w[2], w[2]}};  // four volatile reads: four registers the compiler keeps
+  }
+#endif
+  QMOE_INT4_E4M3_HD void operator()(uint32_t w, uint32_t& row_a, uint32_t& row_b) const {
+    const uint32_t even = (w & nibbles) ^ flip;        // A0 A2 B0 B2 (q + 8 each)
+    const uint32_t odd = ((w >> 4) & nibbles) ^ flip;  // A1 A3 B1 B3
+    row_a = prmt(even, odd, 0x5140u);
+    row_b = prmt(even, odd, 0x7362u);
+  }
+};
+
 }  // namespace qmoe::cuda

@@ -41,7 +41,7 @@
 
 namespace qmoe::cuda {
 namespace wgmma_two_groups {
-// The order of a computing warpgroup's K groups when two are in flight (both kernels below): group 0 converted and
+// The order of a computing warpgroup's K groups when two are in flight (the warp-specialized kernel below): group 0 converted and
 // issued into `part`, group 1 converted; then step(next, it, a, a_next, pt, pt_next) per group, alternating the two
 // operand and partial buffers; `next` (std::true_type) when group it + 1 exists and is issued inside the step.
 template <int N, class WaitFull, class Convert, class Issue, class Step>
@@ -79,6 +79,17 @@ constexpr int kThreads = 256;  // two warpgroups, both load and compute
 // 613 to 591 SASS instructions and runs 2.2-4.2% faster at every shape measured (H200, A/B alternated twice,
 // bench/results/2026-12-03_s35h_*); the 48- and 64-token tiles compile to the same step either way.
 constexpr bool kXorAddress = true;
+// The 32-token tile runs on biased operand codes (Int4PairToBiasedE4m3: a nibble spread of a row pair, 6 ALU instructions
+// per 8 weights instead of 12) with one more wgmma per K step that cancels the bias in the same fp32 partial, one K group
+// in flight (with two, ptxas serializes every wgmma for want of registers). The tile is issue-bound (ncu s35b: ALU 61%,
+// tensor 16%) and this removes ~45 of ~197 instructions per K group: 5-10% faster than the exact lookup with two
+// groups in flight at 12-24 rows per expert (Qwen3-235B GEMM1 T = 256 337 -> 306 us, Mixtral GEMM1 / GEMM2 T = 64
+// 197 -> 179 / 99 -> 89; DeepSeek-V3 and Kimi-K2 at 16 rows within +-1.5%, memory-bound there; H200, A/B alternated
+// twice, bench/results/2026-12-03_s36a_*). Its bits differ from the other WGMMA tiles' (tune.mma_family), its
+// relative RMS error vs the CPU reference is ~12% higher (8.4e-4 vs 7.5e-4 mean over the check's cases): the partial
+// sums (q + 8) x - 8 x in the tensor cores' accumulation.
+template <int TILE_N>
+constexpr bool kBiasedOperands = TILE_N == 32;
 // Convert the next stage's weights while this stage's wgmmas run (else after their wait).
 constexpr bool kOverlapConvert = true;
 
@@ -235,6 +246,18 @@ __device__ __forceinline__ void stage_a_operand_xor(uint32_t sw, AOperandOffset 
     a[k][3] = cvt(ld_shared_u16(row1 + 8));
   }
 }
+// The same pieces as biased codes: each K step's two 16-bit pieces of rows r0 and r1 = r0 + kRowStep are spread at once.
+template <int kRowStep>
+__device__ __forceinline__ void stage_a_operand_biased(uint32_t sw, AOperandOffset o, uint32_t (&a)[4][4],
+                                                       const Int4PairToBiasedE4m3& spread) {
+  const uint32_t base = sw + o.row0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t row0 = base ^ (16 * k), row1 = row0 + kRowStep * (kGroup / 2);
+    spread(prmt(ld_shared_u16(row0), ld_shared_u16(row1), 0x5410u), a[k][0], a[k][1]);
+    spread(prmt(ld_shared_u16(row0 + 8), ld_shared_u16(row1 + 8), 0x5410u), a[k][2], a[k][3]);
+  }
+}
 template <int kRowStep>  // r1 - r0
 __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, AOperandOffset o, uint32_t (&a)[4][4],
                                                 const Int4ToE4m3& cvt) {
@@ -304,9 +327,12 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
 
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   const Int4ToE4m3 cvt = Int4ToE4m3::make();
+  constexpr bool kBiased = kBiasedOperands<TILE_N>;  // with or without the fused epilogue: one set of bits
+  const Int4PairToBiasedE4m3 spread = kBiased ? Int4PairToBiasedE4m3::make() : Int4PairToBiasedE4m3{};
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
     const uint8_t* sw = stages + (it % kStages) * S::kStageBytes + S::kStageA;
-    if constexpr (kAct) stage_a_operand(sw, r0, r1, tig, a, cvt);
+    if constexpr (kBiased) stage_a_operand_biased<kOperandRowStep<kAct>>(smem_u32(sw), a_offset, a, spread);
+    else if constexpr (kAct) stage_a_operand(sw, r0, r1, tig, a, cvt);
     else if constexpr (kXorAddress) stage_a_operand_xor<1>(smem_u32(sw), a_offset, a, cvt);
     else stage_a_operand<1>(sw, a_offset, a, cvt);
   };
@@ -322,56 +348,7 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
 
   if (tid == 0)
     for (int s = 0; s < kStages - 1 && s < total_iters; ++s) issue_loads(s);
-  if constexpr (TILE_N == 32 && !kAct) {
-    // 32-token tiles: two K groups in flight (as wgmma_ws::kTwoGroupsInFlight): group it + 1's wgmmas are issued
-    // before group it's are waited for, into a second partial; the barrier that frees stage it then follows group
-    // it's wait, and the refill of that stage (group it + kStages) is issued right after it. Same bits; 128
-    // registers, no spill; 1-3% faster at 11-22 rows per expert on five model shapes (A/B in one call, H200:
-    // bench/results/2026-12-02_s27a_*). The fused activation epilogue's kernel keeps one group in flight: with two
-    // its epilogue spilled registers.
-    if (tid == 0 && kStages - 1 < total_iters) issue_loads(kStages - 1);
-    float part_b[S::kAcc];
-#pragma unroll
-    for (int i = 0; i < S::kAcc; ++i) part[i] = part_b[i] = 0.f;  // defined before any wgmma
-    auto issue = [&](int it, uint32_t(&a)[4][4], float(&pt)[S::kAcc]) {
-      const uint64_t desc = make_desc_sw128(smem_u32(stages + (it % kStages) * S::kStageBytes));
-      wgmma_fence();
-      fence_operands(pt);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) wgmma_k32<kTileN>(pt, a[k][0], a[k][1], a[k][2], a[k][3], desc + 2 * k, k > 0);
-      wgmma_commit();
-    };
-    TileStep step_two;
-    auto step2 = [&](auto next, int it, uint32_t(&a)[4][4], uint32_t(&a_next)[4][4], float(&pt)[S::kAcc],
-                     float(&pt_next)[S::kAcc]) {
-      constexpr bool kNext = decltype(next)::value;
-      const int g = step_two.k, tile_index = step_two.tile;
-      step_two.advance(groups);
-      const __nv_bfloat16* ss =
-          reinterpret_cast<const __nv_bfloat16*>(stages + (it % kStages) * S::kStageBytes + S::kStageA + kStageW);
-      const float s0 = wgmma::group_scale(ss, p.scales_packed4, r0, g);
-      const float s1 = wgmma::group_scale(ss, p.scales_packed4, r1, g);
-      if constexpr (kNext) {
-        issue(it + 1, a_next, pt_next);
-        wgmma_wait<1>();
-      } else {
-        wgmma_wait_all();
-      }
-      fence_operands(pt);
-      // Every thread is past group it's wgmmas (its weights were converted two steps ago, its scales read
-      // above): stage it may be refilled.
-      __syncthreads();
-      if (tid == 0 && it + kStages < total_iters) issue_loads(it + kStages);
-      if (it + 2 < total_iters) {
-        wait_full(it + 2);
-        convert(it + 2, a);  // a is free: group it's wgmmas have completed
-      }
-      promote_group(acc, pt, s0, s1);
-      if (g == groups - 1) epilogue(tiles[tile_index]);
-    };
-    wgmma_two_groups::run(total_iters, wait_full, convert, issue, step2, part, part_b);
-    return;
-  }
+  constexpr float kOperandScale = kBiased ? kBiasedOperandScale : 1.f;  // biased codes count in 2^-9
   TileStep step_at;  // the group and tile the next step computes
   // One K group. kOverlapConvert: stage it + 1 is awaited with stage it, and its weights become
   // `a_next` while stage it's wgmmas (on `a`, converted one step earlier) run.
@@ -387,13 +364,19 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
     const int g = step_at.k, tile_index = step_at.tile;
     step_at.advance(groups);
     if constexpr (!kOverlapConvert) convert(it, a);
-    const float s0 = wgmma::group_scale(ss, p.scales_packed4, r0, g);
-    const float s1 = wgmma::group_scale(ss, p.scales_packed4, r1, g);
+    const float s0 = kOperandScale * wgmma::group_scale(ss, p.scales_packed4, r0, g);
+    const float s1 = kOperandScale * wgmma::group_scale(ss, p.scales_packed4, r1, g);
     const uint64_t desc = make_desc_sw128(smem_u32(st));
     wgmma_fence();
     fence_operands(part);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) wgmma_k32<kTileN>(part, a[k][0], a[k][1], a[k][2], a[k][3], desc + 2 * k, k > 0);
+    for (int k = 0; k < 4; ++k) {
+      wgmma_k32<kTileN>(part, a[k][0], a[k][1], a[k][2], a[k][3], desc + 2 * k, k > 0);
+      if constexpr (kBiased) {  // cancels the codes' bias 8 in the same fp32 partial
+        const uint32_t(&m)[4] = spread.minus_eight;
+        wgmma_k32<kTileN>(part, m[0], m[1], m[2], m[3], desc + 2 * k, 1);
+      }
+    }
     wgmma_commit();
     if (kOverlapConvert && it + 1 < total_iters) convert(it + 1, a_next);
     wgmma_wait_all();
