@@ -26,7 +26,7 @@ from gpu_common import (  # noqa: E402
 torch = require_hopper()
 
 import qmoe  # noqa: E402
-from qmoe import testing  # noqa: E402
+from qmoe import testing, tune  # noqa: E402
 
 MODE = "w4a8_int4"
 # quant mode -> the scale variants tested (make_case)
@@ -85,7 +85,20 @@ def test_own_rows_match_the_routed_gather(name, mode, scales):
         what = f"{name} {mode} {scales} pdl={pdl}"
         for key in ("offsets", "sizes1", "sizes2", "input_permutation", "output_permutation", "a1", "s1", "out"):
             assert torch.equal(ref[key], got[key]), f"{what}: {key} differs between the two gathers"
-        testing.assert_close(to_np(got["out"].view(torch.bfloat16)), cpu, mode, what=f"{what} vs CPU")
+        testing.assert_close(to_np(got["out"].view(torch.bfloat16)), cpu, mode, tol=tolerance(case), what=f"{what} vs CPU")
+
+
+def tolerance(case):
+    """The mode's, or testing.FEW_TOKENS_WGMMA_TOLERANCE where the heuristic runs w4a8_int4 on a WGMMA tile (T13_ep:
+    ~9 rows per local expert along K = 256)."""
+    tokens, top_k = case["topk_ids"].shape
+    if case["quant_mode"] != "w4a8_int4" or tokens * top_k >= 64:
+        return None
+    local = case["num_local_experts"] or case["num_experts"]
+    hidden, inter = case["w2"].shape[1], 2 * case["w2"].shape[2]
+    picks = (qmoe.select_tactic(2 * inter, hidden, tokens * top_k, local, top_k),
+             qmoe.select_tactic(hidden, inter, tokens * top_k, local, top_k))
+    return testing.FEW_TOKENS_WGMMA_TOLERANCE if any(t in tune.WGMMA_TACTICS for t in picks) else None
 
 
 def test_graph_replay_with_pdl_reroutes():
