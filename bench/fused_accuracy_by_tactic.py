@@ -1,7 +1,11 @@
-"""Scratch (session 36, not committed): fused w4a8_int4 rel RMS vs the CPU engine per forced tactic, many seeds."""
+"""Fused w4a8_int4 accuracy per forced GEMM tactic: rel RMS vs the C++ CPU engine (deterministic finalize) over 12
+seeds at a few small shapes, mean and max per tactic (mma.sync n16, WGMMA n32 on biased codes, WGMMA n48 / n64).
+Device: PYTHONPATH=build/device/pkg python3 bench/fused_accuracy_by_tactic.py (after scripts/device_build.sh; ~15 s).
+Results: bench/results/2026-12-03_s36a_*."""
+import os
 import sys
 import numpy as np
-sys.path.insert(0, "tests/python")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
 from gpu_common import on_device, run_gpu, run_cpu, require_hopper  # noqa
 torch = require_hopper()
 import qmoe
