@@ -111,7 +111,11 @@ bool log_enabled() {
 // 775 vs 944 us, Mixtral GEMM1 452 vs 576, GEMM2 214 vs 336: with ragged routing many experts then
 // pass 64 rows and need a second 64-token tile) and ties on DeepSeek-V3. So n128 above 48 rows.
 // The mma.sync prefill_m128_n64_k256 tile is no longer chosen (kept for forcing and tuning).
-constexpr int64_t kDecodeN8MaxRows = 4;
+// With fewer than 64 experts n8 up to 5 rows per expert (H200, bench/results/2026-12-03_s36g_*: Mixtral and its TP2-TP8
+// shards, 16- and 32-expert shapes at 4-7 rows): at 5 rows n8 beats n16 on all 8 shapes (1.07-1.24x: Mixtral GEMM1
+// 139.9 vs 172.5 us, GEMM2 79.8 vs 85.6); at 6 rows it still wins the GEMM1 shapes (1.07-1.22x) but loses the GEMM2
+// ones (N 4096 over 8 experts: 1.19-1.25x), where the experts past 8 rows need a second n8 tile.
+constexpr int64_t kDecodeN8MaxRows = 5;
 // With many experts the n8 tile keeps winning a little further (tactic sweep, H200,
 // bench/results/2026-11-30_s7a_nvidia_h200_tactic_sweep.md): DeepSeek-V3 (256 experts) at 5 and 6
 // rows per expert, n8 vs n16: GEMM1 1065 vs 1428 us, 1232 vs 1416; GEMM2 589 vs 800, 629 vs 799; at 8
