@@ -374,9 +374,9 @@ def fused_moe_candidates(num_tokens: int, hidden: int, inter: int, gated: bool, 
 # (measured: tests/python/test_gpu_reliability_runtime.py).
 WGMMA_TACTICS = frozenset({"prefill_m128_n160_k128", "prefill_m128_n128_k128", "prefill_m128_n96_k128",
                            "prefill_m128_n64_k128", "prefill_m128_n48_k128", "prefill_m128_n32_k128"})
-# ... except the W4A8 32-token tile, whose operands are biased codes with a bias wgmma per K step (design.md 6.2): a
-# family of its own.
-BIASED_WGMMA_TACTICS = frozenset({"prefill_m128_n32_k128"})
+# ... except the W4A8 32- and 48-token tiles, whose operands are biased codes with a bias wgmma per K step (design.md
+# 6.2): a family of their own.
+BIASED_WGMMA_TACTICS = frozenset({"prefill_m128_n32_k128", "prefill_m128_n48_k128"})
 # ... and the WGMMA tiles of the bf16 x 4-bit GEMM (the other modes; its other tiles are mma.sync).
 BF16_WGMMA_TACTICS = frozenset({"prefill_m128_n64_k128", "prefill_m128_n128_k128", "prefill_m128_n160_k128"})
 

@@ -497,7 +497,8 @@ def test_deterministic_tuning_keeps_the_heuristics_mma_family():
         tune._default = original
     assert tune.mma_family("decode_m128_n32_k256", "w4a4") == "mma.sync"  # the bf16 kernel's mma.sync tiles
     assert tune.mma_family("prefill_m128_n64_k128", "w4a4") == "wgmma"  # ... and its WGMMA tiles
-    assert tune.mma_family("prefill_m128_n32_k128", "w4a8_int4") == "wgmma.biased"  # W4A8's biased 32-token tile
+    assert tune.mma_family("prefill_m128_n32_k128", "w4a8_int4") == "wgmma.biased"  # W4A8's biased 32- and 48-token
+    assert tune.mma_family("prefill_m128_n48_k128", "w4a8_int4") == "wgmma.biased"  # tiles
     assert tune.mma_family("prefill_m128_n32_k128", "w4a4") == "mma.sync"  # (not a tile of the bf16 kernel)
     assert tune.WGMMA_TACTICS <= set(TACTICS)
 
@@ -587,6 +588,6 @@ def test_mma_family_covers_every_compiled_tile():
         assert names
         for name in names:
             wgmma = name.startswith("prefill_") and name.endswith("_k128")
-            biased = mode == "w4a8_int4" and name == "prefill_m128_n32_k128"
+            biased = mode == "w4a8_int4" and name in ("prefill_m128_n32_k128", "prefill_m128_n48_k128")
             want = "wgmma.biased" if biased else "wgmma" if wgmma else "mma.sync"
             assert tune.mma_family(name, mode) == want, (mode, name)
