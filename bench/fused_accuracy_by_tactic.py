@@ -1,5 +1,6 @@
 """Fused w4a8_int4 accuracy per forced GEMM tactic: rel RMS vs the C++ CPU engine (deterministic finalize) over 12
-seeds at a few small shapes, mean and max per tactic (mma.sync n16, WGMMA n32 on biased codes, WGMMA n48 / n64).
+seeds at a few small shapes, mean and max per tactic (mma.sync n16; WGMMA n32 and, since 8db762b, n48 on biased
+codes; WGMMA n64 on exact codes).
 Device: PYTHONPATH=build/device/pkg python3 bench/fused_accuracy_by_tactic.py (after scripts/device_build.sh; ~15 s).
 Results: bench/results/2026-12-03_s36a_*."""
 import os
