@@ -236,31 +236,37 @@ __device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
 }
 // XOR on the shared address itself: the weight tile starts 64-byte aligned (1024: after TILE_N x 128 activation bytes of
 // a 1024-aligned stage), so no carry leaves bits 0-5 of sw + row0 and (sw + row0) ^ 16 k = sw + (row0 ^ 16 k).
-template <int kRowStep>  // r1 - r0
-__device__ __forceinline__ void stage_a_operand_xor(uint32_t sw, AOperandOffset o, uint32_t (&a)[4][4],
-                                                    const Int4ToE4m3& cvt) {
+// step(r0_lo, r1_lo, r0_hi, r1_hi, a[k]): K step k's four 16-bit pieces (rows r0 and r1 = r0 + kRowStep, K 4 tig..+3 and
+// 16 + 4 tig..+3) into its four A registers.
+template <int kRowStep, class Step>
+__device__ __forceinline__ void stage_a_operand_xor(uint32_t sw, AOperandOffset o, uint32_t (&a)[4][4], Step&& step) {
   const uint32_t base = sw + o.row0;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const uint32_t row0 = base ^ (16 * k), row1 = row0 + kRowStep * (kGroup / 2);
-    a[k][0] = cvt(ld_shared_u16(row0));
-    a[k][1] = cvt(ld_shared_u16(row1));
-    a[k][2] = cvt(ld_shared_u16(row0 + 8));
-    a[k][3] = cvt(ld_shared_u16(row1 + 8));
+    step(ld_shared_u16(row0), ld_shared_u16(row1), ld_shared_u16(row0 + 8), ld_shared_u16(row1 + 8), a[k]);
   }
 }
-// The same pieces as biased codes: each K step's two 16-bit pieces of rows r0 and r1 = r0 + kRowStep are spread at once.
-template <int kRowStep>
-__device__ __forceinline__ void stage_a_operand_biased(uint32_t sw, AOperandOffset o, uint32_t (&a)[4][4],
-                                                       const Int4PairToBiasedE4m3& spread) {
-  const uint32_t base = sw + o.row0;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const uint32_t row0 = base ^ (16 * k), row1 = row0 + kRowStep * (kGroup / 2);
-    spread(prmt(ld_shared_u16(row0), ld_shared_u16(row1), 0x5410u), a[k][0], a[k][1]);
-    spread(prmt(ld_shared_u16(row0 + 8), ld_shared_u16(row1 + 8), 0x5410u), a[k][2], a[k][3]);
+// The exact codes: each piece through the lookup (Int4ToE4m3).
+struct ExactCodesStep {
+  const Int4ToE4m3& cvt;
+  __device__ __forceinline__ void operator()(uint32_t r0_lo, uint32_t r1_lo, uint32_t r0_hi, uint32_t r1_hi,
+                                             uint32_t (&a)[4]) const {
+    a[0] = cvt(r0_lo);
+    a[1] = cvt(r1_lo);
+    a[2] = cvt(r0_hi);
+    a[3] = cvt(r1_hi);
   }
-}
+};
+// The biased codes: the two rows' pieces spread at once (Int4PairToBiasedE4m3).
+struct BiasedCodesStep {
+  const Int4PairToBiasedE4m3& spread;
+  __device__ __forceinline__ void operator()(uint32_t r0_lo, uint32_t r1_lo, uint32_t r0_hi, uint32_t r1_hi,
+                                             uint32_t (&a)[4]) const {
+    spread(prmt(r0_lo, r1_lo, 0x5410u), a[0], a[1]);
+    spread(prmt(r0_hi, r1_hi, 0x5410u), a[2], a[3]);
+  }
+};
 template <int kRowStep>  // r1 - r0
 __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, AOperandOffset o, uint32_t (&a)[4][4],
                                                 const Int4ToE4m3& cvt) {
@@ -334,9 +340,10 @@ __global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const _
   const Int4PairToBiasedE4m3 spread = kBiased ? Int4PairToBiasedE4m3::make() : Int4PairToBiasedE4m3{};
   auto convert = [&](int it, uint32_t(&a)[4][4]) {
     const uint8_t* sw = stages + (it % kStages) * S::kStageBytes + S::kStageA;
-    if constexpr (kBiased) stage_a_operand_biased<kOperandRowStep<kAct>>(smem_u32(sw), a_offset, a, spread);
+    if constexpr (kBiased)
+      stage_a_operand_xor<kOperandRowStep<kAct>>(smem_u32(sw), a_offset, a, BiasedCodesStep{spread});
     else if constexpr (kAct) stage_a_operand(sw, r0, r1, tig, a, cvt);
-    else if constexpr (kXorAddress) stage_a_operand_xor<1>(smem_u32(sw), a_offset, a, cvt);
+    else if constexpr (kXorAddress) stage_a_operand_xor<1>(smem_u32(sw), a_offset, a, ExactCodesStep{cvt});
     else stage_a_operand<1>(sw, a_offset, a, cvt);
   };
   // Stage `it` has landed (its transaction completed: visible to this thread and to the tensor cores).
