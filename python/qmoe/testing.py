@@ -40,12 +40,12 @@ TOLERANCES = {
     "grouped_gemm": 1e-2,    # w4a8_moe_mm: no requantization at all
 }
 
-# w4a8_int4 through the W4A8 GEMM's WGMMA tiles with a handful of tokens (fewer than 64 slots). Those tiles sum each 128-K group in the
-# tensor cores' order, so GEMM1's fp32 sums sit a few ulps off the CPU's and now and then round to the other e4m3 code
-# in the requantized intermediate (one step: up to 12.5% of that element). Over a few hundred outputs rel_rms is then
-# the spread of a few such flips, not a bound on the arithmetic: 12 seeds at T = 1, top-1, I = 128 (H200, session 36,
-# every WGMMA tile): mean 4.9e-3, max 4.5e-2; T = 13, top-4: max 1.1e-2 (the 32-token tile on biased codes: 1.5e-2).
-# The mma.sync tiles match the CPU engine to ~1e-5 at those sizes and keep the mode's tolerance.
+# w4a8_int4 through the W4A8 GEMM's WGMMA tiles with a handful of tokens (fewer than 64 slots). Those tiles sum each
+# 128-K group in the tensor cores' order, so GEMM1's fp32 sums sit a few ulps off the CPU's and now and then round to
+# the other e4m3 code in the requantized intermediate (one step: up to 12.5% of that element). Over a few hundred
+# outputs rel_rms is then the spread of a few such flips, not a bound on the arithmetic: 12 seeds at T = 1, top-1, I =
+# 128 (H200, session 36, every WGMMA tile): mean 4.9e-3, max 4.5e-2; T = 13, top-4: max 1.1e-2 (the 32-token tile on
+# biased codes: 1.5e-2). The mma.sync tiles match the CPU engine to ~1e-5 at those sizes and keep the mode's tolerance.
 FEW_TOKENS_WGMMA_TOLERANCE = 5e-2
 
 # DESIGN 7: (num_experts, top_k, hidden H, intermediate I). TP shards divide I.

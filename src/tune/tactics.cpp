@@ -136,16 +136,16 @@ constexpr int64_t kManyExperts = 64;
 // bias sums also in the slots (no bias MMAs in the tile, s34i) DeepSeek-V3 GEMM1 / GEMM2 T = 256 run 1211.8 / 749.1 us.
 constexpr int64_t kActivationSlotsMinK = 2048;
 constexpr int64_t kActivationSlotsMinN = 3072;
-// n16 vs the 32-token WGMMA tile. Session 35 (bench/results/2026-12-03_s35b_*) retired n24 (the 32-token tile beats it at
-// every shape from 14 rows). Session 36, with the 32-token tile on biased codes (5-10% faster; n8 / n16 / n32 / n48
-// forced at 5-32 rows per expert on 15 model GEMM shapes and TP shards, bench/results/2026-12-03_s36a_*): n16 still wins
-// at 12 rows where K is long and the tiles take more than one wave (DeepSeek-V3 GEMM1 K 7168: 1732 vs 1851 us, n32 from
-// 13 rows); where K = 4096 the two tie at 8-10 rows and n32 wins from 11 (Qwen3-235B GEMM1 1.06x, Mixtral GEMM1 1.06x,
-// Qwen3-235B TP4 GEMM1 1.08x; only Mixtral TP8 GEMM1, one wave of 224 tiles, keeps n16 ahead to 12 rows by 4%); one-
-// wave grids along a long K tie at 10 (Mixtral GEMM2 K 14336 89.3 vs 92.0, TP2 49.7 vs 50.1) and go to n32 at 11 (1.2x);
-// between 1536 and 4096 n32 wins or ties from 10 rows (Qwen3-30B GEMM1 1.03x, Mixtral TP8 GEMM2 K 1792 1.05x; DeepSeek-V3
-// GEMM2 ties at 9-11); where K <= 1536 n32 wins from 9 rows, right after the many-expert n8 range (Qwen3-235B GEMM2
-// 1.07x, Qwen3-30B GEMM2 1.13x). (One wave: the 128-row tiles of all experts fit two CTAs per SM.)
+// n16 vs the 32-token WGMMA tile. Session 35 (bench/results/2026-12-03_s35b_*) retired n24 (the 32-token tile beats it
+// at every shape from 14 rows). Session 36, with the 32-token tile on biased codes (5-10% faster; n8 / n16 / n32 / n48
+// forced at 5-32 rows per expert on 15 model GEMM shapes and TP shards, bench/results/2026-12-03_s36a_*): n16 still
+// wins at 12 rows where K is long and the tiles take more than one wave (DeepSeek-V3 GEMM1 K 7168: 1732 vs 1851 us, n32
+// from 13 rows); where K = 4096 the two tie at 8-10 rows and n32 wins from 11 (Qwen3-235B GEMM1 1.06x, Mixtral GEMM1
+// 1.06x, Qwen3-235B TP4 GEMM1 1.08x; only Mixtral TP8 GEMM1, one wave of 224 tiles, keeps n16 ahead to 12 rows by 4%);
+// one- wave grids along a long K tie at 10 (Mixtral GEMM2 K 14336 89.3 vs 92.0, TP2 49.7 vs 50.1) and go to n32 at 11
+// (1.2x); between 1536 and 4096 n32 wins or ties from 10 rows (Qwen3-30B GEMM1 1.03x, Mixtral TP8 GEMM2 K 1792 1.05x;
+// DeepSeek-V3 GEMM2 ties at 9-11); where K <= 1536 n32 wins from 9 rows, right after the many-expert n8 range
+// (Qwen3-235B GEMM2 1.07x, Qwen3-30B GEMM2 1.13x). (One wave: the 128-row tiles of all experts fit two CTAs per SM.)
 constexpr int64_t kDecodeN16LongK = 4096;   // n16 up to 12 rows above this K (more than one wave), 10 at it
 constexpr int64_t kDecodeN16ShortK = 1536;  // ... 9 above this K, 8 at or below it
 constexpr int64_t decode_n16_max_rows(int64_t k, bool one_wave) {

@@ -85,7 +85,8 @@ def test_own_rows_match_the_routed_gather(name, mode, scales):
         what = f"{name} {mode} {scales} pdl={pdl}"
         for key in ("offsets", "sizes1", "sizes2", "input_permutation", "output_permutation", "a1", "s1", "out"):
             assert torch.equal(ref[key], got[key]), f"{what}: {key} differs between the two gathers"
-        testing.assert_close(to_np(got["out"].view(torch.bfloat16)), cpu, mode, tol=tolerance(case), what=f"{what} vs CPU")
+        testing.assert_close(to_np(got["out"].view(torch.bfloat16)), cpu, mode, tol=tolerance(case),
+                             what=f"{what} vs CPU")
 
 
 def tolerance(case):

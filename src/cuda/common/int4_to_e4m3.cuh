@@ -66,11 +66,11 @@ struct Int4ToE4m3 {
   }
 };
 
-// Biased codes (the WGMMA 32-token tile, sm90_grouped_gemm_w4a8_int4_wgmma.cu): q + 8 (0..15) read as an e4m3 code is the value
-// (q + 8) 2^-9 (codes 0..7 are the subnormals m 2^-9, 8..15 the first binade (8 + m) 2^-9), so the lookup becomes a
-// nibble spread: 6 ALU instructions per 8 weights of a row pair instead of 12. The caller cancels the bias with one
-// more wgmma per K step whose A operand is -8 2^-9 in every byte (kE4m3MinusEightUlp) and scales the sums by 2^9.
-// w holds 4 int4 of row A (bits 0..15, nibble i = element i) and 4 of row B (bits 16..31).
+// Biased codes (the WGMMA 32- and 48-token tiles, sm90_grouped_gemm_w4a8_int4_wgmma.cu): q + 8 (0..15) read as an e4m3
+// code is the value (q + 8) 2^-9 (codes 0..7 are the subnormals m 2^-9, 8..15 the first binade (8 + m) 2^-9), so the
+// lookup becomes a nibble spread: 6 ALU instructions per 8 weights of a row pair instead of 12. The caller cancels the
+// bias with one more wgmma per K step whose A operand is -8 2^-9 in every byte (kE4m3MinusEightUlp) and scales the sums
+// by 2^9. w holds 4 int4 of row A (bits 0..15, nibble i = element i) and 4 of row B (bits 16..31).
 constexpr uint32_t kE4m3MinusEightUlp = 0x88888888u;  // e4m3 0x88: sign | code 8 = -(8 2^-9)
 constexpr float kBiasedOperandScale = 512.f;          // 2^9
 struct Int4PairToBiasedE4m3 {

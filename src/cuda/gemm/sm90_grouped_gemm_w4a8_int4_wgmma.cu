@@ -41,9 +41,10 @@
 
 namespace qmoe::cuda {
 namespace wgmma_two_groups {
-// The order of a computing warpgroup's K groups when two are in flight (the warp-specialized kernel below): group 0 converted and
-// issued into `part`, group 1 converted; then step(next, it, a, a_next, pt, pt_next) per group, alternating the two
-// operand and partial buffers; `next` (std::true_type) when group it + 1 exists and is issued inside the step.
+// The order of a computing warpgroup's K groups when two are in flight (the warp-specialized kernel below): group 0
+// converted and issued into `part`, group 1 converted; then step(next, it, a, a_next, pt, pt_next) per group,
+// alternating the two operand and partial buffers; `next` (std::true_type) when group it + 1 exists and is issued
+// inside the step.
 template <int N, class WaitFull, class Convert, class Issue, class Step>
 __device__ __forceinline__ void run(int total_iters, WaitFull&& wait_full, Convert&& convert, Issue&& issue, Step&& step,
                                     float (&part)[N], float (&part_b)[N]) {
@@ -88,18 +89,18 @@ constexpr int kThreadsOf = kThreads + (kProducerWarp<TILE_N> ? 32 : 0);
 // 613 to 591 SASS instructions and runs 2.2-4.2% faster at every shape measured (H200, A/B alternated twice,
 // bench/results/2026-12-03_s35h_*); the 48- and 64-token tiles compile to the same step either way.
 constexpr bool kXorAddress = true;
-// The 32-token tile runs on biased operand codes (Int4PairToBiasedE4m3: a nibble spread of a row pair, 6 ALU instructions
-// per 8 weights instead of 12) with one more wgmma per K step that cancels the bias in the same fp32 partial, one K group
-// in flight (with two, ptxas serializes every wgmma for want of registers). The tile is issue-bound (ncu s35b: ALU 61%,
-// tensor 16%) and this removes ~45 of ~197 instructions per K group: 5-10% faster than the exact lookup with two
-// groups in flight at 12-24 rows per expert (Qwen3-235B GEMM1 T = 256 337 -> 306 us, Mixtral GEMM1 / GEMM2 T = 64
-// 197 -> 179 / 99 -> 89; DeepSeek-V3 and Kimi-K2 at 16 rows within +-1.5%, memory-bound there; H200, A/B alternated
-// twice, bench/results/2026-12-03_s36a_*). Its bits differ from the other WGMMA tiles' (tune.mma_family), its
-// relative RMS error vs the CPU reference is ~12% higher (8.4e-4 vs 7.5e-4 mean over the check's cases): the partial
-// sums (q + 8) x - 8 x in the tensor cores' accumulation.
-// The 48-token tile the same way (s36h): 6-8% faster at 32 rows per expert on the Qwen3 and Mixtral shapes (Qwen3-235B
-// GEMM1 T = 512 380 -> 349 us, Mixtral GEMM1 T = 128 221 -> 205), DeepSeek-V3 within its run-to-run spread; the 64-token
-// tile 2-4% slower so (its tensor pipe is busier), so it keeps the exact lookup.
+// The 32-token tile runs on biased operand codes (Int4PairToBiasedE4m3: a nibble spread of a row pair, 6 ALU
+// instructions per 8 weights instead of 12) with one more wgmma per K step that cancels the bias in the same fp32
+// partial, one K group in flight (with two, ptxas serializes every wgmma for want of registers). The tile is
+// issue-bound (ncu s35b: ALU 61%, tensor 16%) and this removes ~45 of ~197 instructions per K group: 5-10% faster than
+// the exact lookup with two groups in flight at 12-24 rows per expert (Qwen3-235B GEMM1 T = 256 337 -> 306 us, Mixtral
+// GEMM1 / GEMM2 T = 64 197 -> 179 / 99 -> 89; DeepSeek-V3 and Kimi-K2 at 16 rows within +-1.5%, memory-bound there;
+// H200, A/B alternated twice, bench/results/2026-12-03_s36a_*). Its bits differ from the other WGMMA tiles'
+// (tune.mma_family), its relative RMS error vs the CPU reference is ~12% higher (8.4e-4 vs 7.5e-4 mean over the check's
+// cases): the partial sums (q + 8) x - 8 x in the tensor cores' accumulation. The 48-token tile the same way (s36h):
+// 6-8% faster at 32 rows per expert on the Qwen3 and Mixtral shapes (Qwen3-235B GEMM1 T = 512 380 -> 349 us, Mixtral
+// GEMM1 T = 128 221 -> 205), DeepSeek-V3 within its run-to-run spread; the 64-token tile 2-4% slower (its tensor
+// pipe is busier), so it keeps the exact lookup.
 template <int TILE_N>
 constexpr bool kBiasedOperands = TILE_N <= 48;
 // Convert the next stage's weights while this stage's wgmmas run (else after their wait).
@@ -243,10 +244,10 @@ __device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
   asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
   return v;
 }
-// XOR on the shared address itself: the weight tile starts 64-byte aligned (1024: after TILE_N x 128 activation bytes of
-// a 1024-aligned stage), so no carry leaves bits 0-5 of sw + row0 and (sw + row0) ^ 16 k = sw + (row0 ^ 16 k).
-// step(r0_lo, r1_lo, r0_hi, r1_hi, a[k]): K step k's four 16-bit pieces (rows r0 and r1 = r0 + kRowStep, K 4 tig..+3 and
-// 16 + 4 tig..+3) into its four A registers.
+// XOR on the shared address itself: the weight tile starts 64-byte aligned (1024: after TILE_N x 128 activation bytes
+// of a 1024-aligned stage), so no carry leaves bits 0-5 of sw + row0 and (sw + row0) ^ 16 k = sw + (row0 ^ 16 k).
+// step(r0_lo, r1_lo, r0_hi, r1_hi, a[k]): K step k's four 16-bit pieces (rows r0 and r1 = r0 + kRowStep, K 4 tig..+3
+// and 16 + 4 tig..+3) into its four A registers.
 template <int kRowStep, class Step>
 __device__ __forceinline__ void stage_a_operand_xor(uint32_t sw, AOperandOffset o, uint32_t (&a)[4][4], Step&& step) {
   const uint32_t base = sw + o.row0;
