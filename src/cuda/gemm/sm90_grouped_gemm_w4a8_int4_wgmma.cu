@@ -76,15 +76,6 @@ namespace wgmma_prefill {
 using namespace wgmma;  // (wgmma_building_blocks.cuh)
 
 constexpr int kThreads = 256;  // two warpgroups, both load and compute
-// The tiles of up to kProducerWarpMaxN tokens add a ninth warp that only issues the TMA loads (a prepared A/B,
-// bench/ab/w4a8_wgmma_producer_warp.txt): the refill (~60 SASS instructions a step on thread 0) then no longer makes
-// warp 0 the slowest at every step's CTA barrier (s36e: ~17% of the stall samples there). 288 threads at two CTAs per
-// SM leave 113 registers a thread: the 32-token tile (100) fits, the 48- and 64-token ones do not.
-constexpr int kProducerWarpMaxN = 0;
-template <int TILE_N>
-constexpr bool kProducerWarp = TILE_N <= kProducerWarpMaxN;
-template <int TILE_N>
-constexpr int kThreadsOf = kThreads + (kProducerWarp<TILE_N> ? 32 : 0);
 // The weight loads addressed by XOR on the shared address (stage_a_operand_xor): the 32-token tile's step falls from
 // 613 to 591 SASS instructions and runs 2.2-4.2% faster at every shape measured (H200, A/B alternated twice,
 // bench/results/2026-12-03_s35h_*); the 48- and 64-token tiles compile to the same step either way.
@@ -294,8 +285,7 @@ __device__ __forceinline__ void stage_a_operand(const uint8_t* sw, AOperandOffse
 // OutT ActE4m3: the fused activation epilogue (A2 and s2 instead of d; act_store_tile, in registers).
 // Thread 0 issues each stage's TMA boxes; per-stage mbarriers say when they landed.
 template <class OutT, int TILE_N>
-__global__ void __launch_bounds__(kThreadsOf<TILE_N>, TILE_N <= 64 ? 2 : 1)
-    kernel(const __grid_constant__ ParamsOf<OutT> p) {
+__global__ void __launch_bounds__(kThreads, TILE_N <= 64 ? 2 : 1) kernel(const __grid_constant__ ParamsOf<OutT> p) {
   pdl_wait();  // first; no early release (cuda/common/pdl.cuh)
   constexpr bool kAct = std::is_same<OutT, ActE4m3>::value;
   using S = Shape<TILE_N>;
@@ -317,12 +307,9 @@ __global__ void __launch_bounds__(kThreadsOf<TILE_N>, TILE_N <= 64 ? 2 : 1)
 
   // ---- Work list (grouped_tile_list.cuh; its barriers also publish the mbarrier initialisation).
   const auto tiles =
-      cta_tiles<kThreadsOf<TILE_N>, kTileM, kTileN>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start,
-                                                     warp_total);
+      cta_tiles<kThreads, kTileM, kTileN>(p.problem_sizes, p.expert_offsets, E, n_tiles, tile_start, warp_total);
   if (tiles.empty()) return;
   const int total_iters = tiles.count * groups;
-  constexpr bool kOwnProducer = kProducerWarp<TILE_N>;
-  const int producer_tid = kOwnProducer ? kThreads : 0;  // the thread that issues the loads
 
   // ---- Producer (thread 0 only): stage `it`'s boxes. Calls come in order (it = 0, 1, ...): the group
   // and tile are counted, not divided out, and the next tile is located one tile ahead
@@ -370,17 +357,8 @@ __global__ void __launch_bounds__(kThreadsOf<TILE_N>, TILE_N <= 64 ? 2 : 1)
     else store_tile<OutT, kTileN>(p, t, acc, sc, r0, tig);
   };
 
-  if (tid == producer_tid)
+  if (tid == 0)
     for (int s = 0; s < kStages - 1 && s < total_iters; ++s) issue_loads(s);
-  if constexpr (kOwnProducer) {
-    if (warp == kThreads / 32) {  // the producer warp: the consumers' barrier at every step, then the refill
-      for (int it = 0; it < total_iters; ++it) {
-        __syncthreads();
-        if (lane == 0 && it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
-      }
-      return;
-    }
-  }
   constexpr float kOperandScale = kBiased ? kBiasedOperandScale : 1.f;  // biased codes count in 2^-9
   TileStep step_at;  // the group and tile the next step computes
   // One K group. kOverlapConvert: stage it + 1 is awaited with stage it, and its weights become
@@ -388,7 +366,7 @@ __global__ void __launch_bounds__(kThreadsOf<TILE_N>, TILE_N <= 64 ? 2 : 1)
   auto step = [&](int it, uint32_t(&a)[4][4], uint32_t(&a_next)[4][4]) {
     // Every thread is past step it - 1: the stage it used may be refilled.
     __syncthreads();
-    if (!kOwnProducer && tid == 0 && it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
+    if (tid == 0 && it + kStages - 1 < total_iters) issue_loads(it + kStages - 1);
     if (kOverlapConvert && it + 1 < total_iters) wait_full(it + 1);
     if (!kOverlapConvert) wait_full(it);
 
@@ -668,7 +646,7 @@ void launch_typed(const Base& params, int64_t rows, cudaStream_t stream) {
     launch_persistent<wgmma_ws::kernel<OutT, TILE_N>>(wgmma_ws::kThreads, wgmma_ws::Shape<TILE_N>::kSmemBytes, stream,
                                                       tp, "w4a8 wgmma prefill");
   } else {
-    launch_persistent<wgmma_prefill::kernel<OutT, TILE_N>>(wgmma_prefill::kThreadsOf<TILE_N>,
+    launch_persistent<wgmma_prefill::kernel<OutT, TILE_N>>(wgmma_prefill::kThreads,
                                                            wgmma_prefill::Shape<TILE_N>::kSmemBytes, stream, tp,
                                                            "w4a8 wgmma prefill");
   }
