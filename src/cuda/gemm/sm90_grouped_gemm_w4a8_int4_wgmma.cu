@@ -435,6 +435,10 @@ constexpr bool kOverlapConvert = true;
 // the next conversion and the promotion of g run while g + 1 is on the tensor cores. Same bits as one group in
 // flight; 4-8% faster at 64 rows per expert (bench/results/2026-12-02_s24d_*).
 constexpr bool kTwoGroupsInFlight = true;
+// A/B (session 37, bench/ab/w4a8_wgmma_ws_biased.txt): 0 exact codes; 1 biased codes without the bias correction
+// (wrong sums: the bound of the cheaper conversion); 2 biased codes + the scales gathered into a bf16 A fragment per
+// 16 groups + three stand-in wgmmas per 16 groups into acc (the tensor cost of a correction by precomputed sums).
+constexpr int kBiasedAb = 0;
 
 template <int TILE_N>
 struct Shape {
@@ -518,10 +522,44 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
   auto wait_full = [&](int it) { mbar_wait(&full[it % kStages], (it / kStages) & 1); };
   // The A operand: this thread's int4 weights of stage `it` as e4m3.
   const Int4ToE4m3 cvt = Int4ToE4m3::make();
+  constexpr bool kBiased = kBiasedAb > 0 && !kAct;
+  const Int4PairToBiasedE4m3 spread = [] {
+    if constexpr (kBiased) return Int4PairToBiasedE4m3::make();
+    else return Int4PairToBiasedE4m3::constants();
+  }();
   auto convert = [&](int it, uint32_t (&out)[4][4]) {
     const uint8_t* sw = stages + (it % kStages) * S::kStageBytes + S::kStageA;
     if constexpr (kAct) wgmma_prefill::stage_a_operand(sw, r0, r1, tig, out, cvt);
+    else if constexpr (kBiased)
+      wgmma_prefill::stage_a_operand_xor<1>(wgmma::smem_u32(sw), a_offset, out, wgmma_prefill::BiasedCodesStep{spread});
     else wgmma_prefill::stage_a_operand<1>(sw, a_offset, out, cvt);
+  };
+  constexpr float kScaleOf = kBiased ? kBiasedOperandScale : 1.f;
+  constexpr bool kCorrect = kBiased && kBiasedAb == 2;
+  // Stand-in correction per 16 groups: the A fragment of their scales (rows r0 / r1 = gid / gid + 8 x groups 2 tig,
+  // 2 tig + 1 and 2 tig + 8, 2 tig + 9) by eight 2-byte shared loads (here: of the stage's scale tile, which a real
+  // version would get as a box of 16 groups), then three wgmmas of a bf16 m64nNk16's tensor cost (fp8 k32 on the
+  // stage's activations) into the promoted partial pt, retired at once and added to acc (into acc itself, ptxas
+  // serializes every wgmma of the 128- and 160-token tiles for want of registers).
+  auto correct = [&](int g, int s, float (&pt)[S::kAcc]) {
+    if ((g & 15) != 15 && g != groups - 1) return;
+    const uint32_t ss = wgmma::smem_u32(stages + s * S::kStageBytes + S::kStageA + kStageW) + 4 * tig;
+    uint32_t sf[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t at = ss + 256 * (i & 1) + 32 * (i >> 1) + 2 * r0;
+      sf[i] = prmt(wgmma_prefill::ld_shared_u16(at), wgmma_prefill::ld_shared_u16(at + 2), 0x5410u);
+    }
+    const uint64_t desc = wgmma::make_desc_sw128(wgmma::smem_u32(stages + s * S::kStageBytes));
+    wgmma::wgmma_fence();
+    wgmma::fence_operands(pt);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) wgmma_prefill::wgmma_k32<TILE_N>(pt, sf[0], sf[1], sf[2], sf[3], desc + 2 * k, k > 0);
+    wgmma::wgmma_commit();
+    wgmma::wgmma_wait_all();
+    wgmma::fence_operands(pt);
+#pragma unroll
+    for (int i = 0; i < S::kAcc; ++i) acc[i] += pt[i];
   };
 
   GroupedTile t{0, 0, 0, 0};
@@ -550,8 +588,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       step_at.advance(groups);
       const __nv_bfloat16* ss =
           reinterpret_cast<const __nv_bfloat16*>(stages + s * S::kStageBytes + S::kStageA + kStageW);
-      const float s0 = wgmma::group_scale(ss, p.scales_packed4, r0, g);
-      const float s1 = wgmma::group_scale(ss, p.scales_packed4, r1, g);
+      const float s0 = kScaleOf * wgmma::group_scale(ss, p.scales_packed4, r0, g);
+      const float s1 = kScaleOf * wgmma::group_scale(ss, p.scales_packed4, r1, g);
       if constexpr (kNext) {
         issue(it + 1, a_next, pt_next);
         wgmma::wgmma_wait<1>();
@@ -565,6 +603,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
         convert(it + 2, a);  // a is free: group it's wgmmas have completed
       }
       wgmma::promote_group(acc, pt, s0, s1);
+      if constexpr (kCorrect) correct(g, s, pt);
       if (g == groups - 1) {
         float sc[TILE_N / 4];
         wgmma::load_tile_scales<TILE_N>(p, t, tig, sc);
@@ -587,8 +626,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     const uint8_t* st = stages + s * S::kStageBytes;
     const uint64_t desc = wgmma::make_desc_sw128(wgmma::smem_u32(st));
     const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + S::kStageA + kStageW);
-    const float s0 = wgmma::group_scale(ss, p.scales_packed4, r0, g);
-    const float s1 = wgmma::group_scale(ss, p.scales_packed4, r1, g);
+    const float s0 = kScaleOf * wgmma::group_scale(ss, p.scales_packed4, r0, g);
+    const float s1 = kScaleOf * wgmma::group_scale(ss, p.scales_packed4, r1, g);
     const bool more = it + 1 < total_iters;
     if (kOverlapConvert && more) wait_full(it + 1);
     wgmma::wgmma_fence();
@@ -612,6 +651,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
       convert(it + 1, a_next);
     }
     wgmma::promote_group(acc, part, s0, s1);
+    if constexpr (kCorrect) correct(g, s, part);
     if (last) {
       if (!kEarlyScales) wgmma::load_tile_scales<TILE_N>(p, t, tig, sc);
       if constexpr (kAct) wgmma::act_store_tile<TILE_N>(act_out_of(p), t, acc, sc, r0, lane);
